@@ -1,0 +1,169 @@
+"""What a probe forward collects, as small composable parts (one per statistic family).
+
+A ``ProbeCollector`` implements capture's ``Collector`` protocol by fanning each call out to its
+parts. Parts reduce every micro-batch at once (per sequence, per head) and keep only the reduced
+arrays on the CPU, so a 2000-sequence probe never holds more than one micro-batch of activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import metrics
+from .kernels import attention_stats
+
+
+class Part:
+    """A statistic family; every hook is optional. ``batch`` is the current micro-batch's slice."""
+
+    def on_attention(self, batch: slice, layer, query, key, scaling, window, softcap) -> None:
+        pass
+
+    def on_attention_output(self, batch: slice, layer: int, output: torch.Tensor) -> torch.Tensor:
+        return output
+
+    def on_block_output(self, batch: slice, layer: int, hidden: torch.Tensor) -> None:
+        pass
+
+
+def _stack_layers(per_layer: list[list[np.ndarray]]) -> np.ndarray:
+    """[layer][micro-batch] arrays of (b, ...) -> (N, L, ...)."""
+    return np.stack([np.concatenate(chunks, axis=0) for chunks in per_layer], axis=1)
+
+
+@dataclass
+class SinkPart(Part):
+    """Per-sample sink importance alpha_k over all query rows: (N, L, H, K)."""
+
+    n_layers: int
+    n_first: int = metrics.SINK_PROFILE_K
+    backend: str = "auto"
+    chunks: list = field(init=False)
+
+    def __post_init__(self):
+        self.chunks = [[] for _ in range(self.n_layers)]
+
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
+        st = attention_stats(query, key, scaling, n_first=self.n_first, window=window, softcap=softcap, backend=self.backend)
+        self.chunks[layer].append(metrics.sink_alpha(st.first).cpu().numpy())
+
+    def result(self) -> np.ndarray:
+        return _stack_layers(self.chunks)
+
+
+@dataclass
+class RowColumnsPart(Part):
+    """Attention probabilities of chosen query rows on chosen columns, plus the rows' entropy.
+
+    rows (N, Q), cols (N, Q, G) index the whole probe; results are gathered (N, L, H, Q, G) and
+    entropy (N, L, H, Q).
+    """
+
+    n_layers: int
+    rows: np.ndarray
+    cols: np.ndarray
+    backend: str = "auto"
+    gathered: list = field(init=False)
+    entropy: list = field(init=False)
+
+    def __post_init__(self):
+        self.gathered = [[] for _ in range(self.n_layers)]
+        self.entropy = [[] for _ in range(self.n_layers)]
+
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
+        rows = torch.as_tensor(self.rows[batch], device=query.device)
+        cols = torch.as_tensor(self.cols[batch], device=query.device)
+        st = attention_stats(query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, backend=self.backend)
+        self.gathered[layer].append(st.gathered.cpu().numpy())
+        self.entropy[layer].append(st.entropy.cpu().numpy())
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return _stack_layers(self.gathered), _stack_layers(self.entropy)
+
+
+@dataclass
+class HeadOutputPart(Part):
+    """Streaming Gram matrix M^T M (and column sums) of each head's output at one row per sequence.
+
+    ``row`` (N,) picks the row. Enough for the participation ratio without keeping M (N x D).
+    """
+
+    n_layers: int
+    row: np.ndarray
+    gram: list = field(init=False)
+    total: list = field(init=False)
+    count: int = 0
+
+    def __post_init__(self):
+        self.gram = [None] * self.n_layers
+        self.total = [None] * self.n_layers
+
+    def on_attention_output(self, batch, layer, output):
+        B, S, H, D = output.shape
+        idx = torch.as_tensor(self.row[batch], device=output.device)
+        m = output[torch.arange(B, device=output.device), idx].double()  # (B, H, D)
+        g = torch.einsum("bhd,bhe->hde", m, m).cpu().numpy()
+        t = m.sum(0).cpu().numpy()
+        self.gram[layer] = g if self.gram[layer] is None else self.gram[layer] + g
+        self.total[layer] = t if self.total[layer] is None else self.total[layer] + t
+        if layer == 0:
+            self.count += B
+        return output
+
+
+@dataclass
+class AblationPart(Part):
+    """Zero chosen heads' slices of the output-projection input. keep: (L, H) of 0/1."""
+
+    keep: torch.Tensor
+
+    def on_attention_output(self, batch, layer, output):
+        k = self.keep[layer].to(device=output.device, dtype=output.dtype)
+        return output * k[None, None, :, None]
+
+
+@dataclass
+class P0Part(Part):
+    """Residual stream after each block: per-sequence ||h[0]|| / median_{t>=1} ||h[t]||, and h[0]."""
+
+    n_layers: int
+    ratio: list = field(init=False)
+    vectors: list = field(init=False)
+
+    def __post_init__(self):
+        self.ratio = [[] for _ in range(self.n_layers)]
+        self.vectors = [[] for _ in range(self.n_layers)]
+
+    def on_block_output(self, batch, layer, hidden):
+        h = hidden.float()
+        norms = torch.linalg.vector_norm(h, dim=-1)  # (B, S)
+        self.ratio[layer].append(metrics.norm_ratio_per_sequence(norms).cpu().numpy())
+        self.vectors[layer].append(h[:, 0].cpu().numpy())
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """ratio (N, L), vectors (N, L, d)."""
+        return _stack_layers(self.ratio), _stack_layers(self.vectors)
+
+
+class ProbeCollector:
+    """Fans capture's callbacks out to parts; ``batch`` is set by the monitor before each forward."""
+
+    def __init__(self, parts: list[Part]):
+        self.parts = parts
+        self.batch = slice(0, 0)
+
+    def on_attention(self, layer, query, key, scaling, window, softcap):
+        for p in self.parts:
+            p.on_attention(self.batch, layer, query, key, scaling, window, softcap)
+
+    def on_attention_output(self, layer, output):
+        for p in self.parts:
+            output = p.on_attention_output(self.batch, layer, output)
+        return output
+
+    def on_block_output(self, layer, hidden):
+        for p in self.parts:
+            p.on_block_output(self.batch, layer, hidden)

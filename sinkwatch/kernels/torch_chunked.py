@@ -1,0 +1,82 @@
+"""Chunked PyTorch backend of ``attention_stats`` (the CPU path).
+
+Works on blocks of (sequences x query rows) so that one block's logits hold at most
+``block_elements`` numbers: memory is O(block x S), never S x S for all heads at once.
+Keys beyond the block's last query are never touched (causal crop), and GQA is handled by
+viewing the q heads of one kv head as extra rows, so k is never repeated.
+
+Inside a block everything is exact softmax in float32: logits, their log-sum-exp, then
+    log p_ij = s_ij - lse_i,   entropy_i = -sum_j p_ij log p_ij,   p on chosen columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import AttentionStats, StatsProblem, empty_outputs
+
+# Logits per block: 2^21 float32 numbers = 8 MiB, three such temporaries live at once.
+DEFAULT_BLOCK_ELEMENTS = 1 << 21
+
+
+def _block_sizes(batch: int, heads: int, queries: int, keys: int, budget: int) -> tuple[int, int]:
+    """(sequences per block, query rows per block) with sequences * heads * rows * keys <= budget."""
+    per_row = heads * keys
+    rows = max(1, min(queries, budget // max(per_row, 1)))
+    seqs = 1 if rows < queries else max(1, min(batch, budget // max(per_row * queries, 1)))
+    return seqs, rows
+
+
+def attention_stats_torch(problem: StatsProblem, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> AttentionStats:
+    q, k = problem.q, problem.k
+    B, Hq, Hkv, S, D, Q, G = problem.shape
+    groups = Hq // Hkv
+    out = empty_outputs(problem)
+    positions = problem.query_positions()  # (B, Q)
+    key_index = torch.arange(S, device=q.device)
+    seqs, rows = _block_sizes(B, Hq, Q, S, block_elements)
+
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        for b0 in range(0, B, seqs):
+            b1 = min(B, b0 + seqs)
+            nb = b1 - b0
+            for r0 in range(0, Q, rows):
+                r1 = min(Q, r0 + rows)
+                nq = r1 - r0
+                pos = positions[b0:b1, r0:r1]  # (nb, nq)
+                n_keys = int(pos.max()) + 1  # causal crop: no query here sees a later key
+                if problem.rows is None:
+                    qc = q[b0:b1, :, r0:r1]  # (nb, Hq, nq, D) view
+                else:
+                    qc = q[b0:b1].gather(2, pos[:, None, :, None].expand(nb, Hq, nq, D))
+                qc = qc.float().reshape(nb, Hkv, groups * nq, D)
+                kc = k[b0:b1, :, :n_keys].float()  # (nb, Hkv, n_keys, D)
+                logits = torch.matmul(qc, kc.transpose(-1, -2))  # (nb, Hkv, groups*nq, n_keys)
+                logits = logits.view(nb, Hq, nq, n_keys).mul_(problem.scaling)
+                if problem.softcap is not None:
+                    logits = logits.div_(problem.softcap).tanh_().mul_(problem.softcap)
+                keys = key_index[:n_keys]
+                allowed = keys[None, None, :] <= pos[:, :, None]  # (nb, nq, n_keys)
+                if problem.window is not None:
+                    allowed &= (pos[:, :, None] - keys[None, None, :]) < problem.window
+                allowed = allowed[:, None]  # (nb, 1, nq, n_keys)
+                logits.masked_fill_(~allowed, float("-inf"))
+
+                lse = torch.logsumexp(logits, dim=-1)  # (nb, Hq, nq)
+                log_p = logits.sub_(lse[..., None])  # in place: logits are not needed again
+                p = log_p.exp()
+                log_p.masked_fill_(~allowed, 0.0)  # 0 * -inf would be NaN
+                entropy = -(p * log_p).sum(-1)
+
+                out.lse[b0:b1, :, r0:r1] = lse
+                out.entropy[b0:b1, :, r0:r1] = entropy
+                n = min(problem.n_first, n_keys)
+                out.first[b0:b1, :, r0:r1, :n] = p[..., :n]
+                out.first[b0:b1, :, r0:r1, n:] = 0.0  # keys after every query of the block
+                if G:
+                    cols = problem.cols[b0:b1, r0:r1]  # (nb, nq, G)
+                    invalid = (cols < 0) | (cols > pos[:, :, None])
+                    index = cols.clamp(0, n_keys - 1)[:, None].expand(nb, Hq, nq, G)
+                    picked = p.gather(-1, index).masked_fill_(invalid[:, None], 0.0)
+                    out.gathered[b0:b1, :, r0:r1] = picked
+    return out

@@ -1,0 +1,68 @@
+"""Loading a model (hub id or local directory, optional revision) the way the real hub does it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class HubUnreachableError(RuntimeError):
+    """The Hugging Face hub could not be reached and nothing usable is cached locally."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    names = {type(e).__name__ for e in _chain(exc)}
+    hints = ("ConnectionError", "ConnectError", "LocalEntryNotFoundError", "OfflineModeIsEnabled", "Timeout", "MaxRetryError", "NameResolutionError")
+    text = " ".join(str(e) for e in _chain(exc))
+    return bool(names & set(hints)) or any(h in text for h in ("couldn't connect", "Cannot reach", "offline mode", "Failed to resolve", "Name or service not known", "Max retries exceeded", "Network is unreachable"))
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def load_model(name_or_path: str, *, revision: str | None = None, dtype: str = "float32", device: str | None = None, cache_dir: str | None = None):
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, revision=...)`` with sdpa attention, in eval mode.
+
+    Raises ``HubUnreachableError`` with what to do when the hub cannot be reached, and
+    ``FileNotFoundError`` when a revision does not exist.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, revision=revision, dtype=parse_dtype(dtype), attn_implementation="sdpa", cache_dir=cache_dir
+        )
+    except Exception as exc:  # noqa: BLE001 - classified below, re-raised with advice
+        if os.path.isdir(name_or_path):
+            raise
+        if _is_network_error(exc):
+            raise HubUnreachableError(
+                f"cannot reach the Hugging Face hub to load {name_or_path}"
+                + (f" at revision {revision}" if revision else "")
+                + ". Replay from a local cache instead: download the revisions on a machine with network "
+                "(huggingface-cli download NAME --revision REV), point HF_HOME (or --cache-dir) at that cache and set "
+                "HF_HUB_OFFLINE=1, or pass a local directory written by save_pretrained."
+            ) from exc
+        if "revision" in str(exc).lower() or type(exc).__name__ in ("RevisionNotFoundError", "EntryNotFoundError"):
+            raise FileNotFoundError(f"{name_or_path} has no revision {revision!r}: {exc}") from exc
+        raise
+    return model.to(device or default_device()).eval()

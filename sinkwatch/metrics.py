@@ -1,0 +1,294 @@
+"""Metrics of SPEC §5 as pure functions over attention statistics.
+
+Notation: A[l, h, i, j] is the attention probability of query i on key j in head h of layer l.
+"Selectivity" is a ratio of means. Every threshold below is inclusive unless it says strict.
+
+Sources:
+- sink importance / sink rate: Gu et al. 2024, "When Attention Sink Emerges in Language Models".
+- selectivity screen, participation ratio, induction circuit, sink heads: Xu 2026, "When Do
+  Attention Circuits Form?" (arXiv 2606.02378), released protocol.
+- prefix-matching induction score and ICL score: Olsson et al. 2022, "In-context Learning and
+  Induction Heads".
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterable, Mapping
+
+import numpy as np
+import torch
+
+SINK_EPSILON = 0.3  # Gu et al.: alpha_k > epsilon (strict)
+SINK_PROFILE_K = 8  # Sink_0 .. Sink_{K-1}
+SINK_HEAD_MIN_SELECTIVITY = 30.0  # first-token selectivity for a sink head (Xu)
+BEST_CLASS_MIN_SELECTIVITY = 30.0  # below this a head is "unclassified" (Xu)
+INDUCTION_CIRCUIT_MIN_SELECTIVITY = 50.0  # induction circuit (Xu)
+INDUCTION_HEAD_MIN_SELECTIVITY = 30.0  # the paper's per-revision ind_ge30 count
+PREVIOUS_TOKEN_MIN_SELECTIVITY = 100.0  # previous-token circuit (Xu): best class and >= 100x
+SELECTIVITY_CLASSES = ("induction", "duplicate", "previous", "self", "first", "local")
+UNCLASSIFIED = "unclassified"
+LOCAL_OFFSETS = (3, 4, 5, 6)  # local class: mean attention on T-3 .. T-6
+
+
+# ---- attention sinks (Gu et al. 2024) ---------------------------------------------------------
+def sink_alpha(first: torch.Tensor) -> torch.Tensor:
+    """Sink importance per sample: alpha_k = mean over queries i >= k of A[i, k].
+
+    first: (B, H, S, K) probabilities on keys 0..K-1 for every query row 0..S-1.
+    Returns (B, H, K) float32; NaN for k >= S (no query sees key k).
+    """
+    S, K = first.shape[-2:]
+    i = torch.arange(S, device=first.device)[:, None]
+    k = torch.arange(K, device=first.device)[None, :]
+    sees = (i >= k).to(first.dtype)  # (S, K)
+    total = (first * sees).sum(-2)
+    count = sees.sum(0)
+    return (total / count).float()
+
+
+def sink_fractions(alpha: np.ndarray, epsilon: float = SINK_EPSILON) -> dict[str, np.ndarray | float]:
+    """Gu et al. Sink_k: fraction of (sample, layer, head) triples with alpha_k > epsilon (strict).
+
+    alpha: (N, L, H, K) per-sample sink importance. Returns ``profile`` (K,) = Sink_k,
+    ``rate`` = Sink_0 and ``per_layer`` (L,) = Sink_0 within each layer.
+    """
+    above = np.nan_to_num(alpha, nan=-np.inf) > epsilon  # NaN (k beyond the sequence) never counts
+    profile = above.mean(axis=(0, 1, 2))
+    return {"profile": profile, "rate": float(profile[0]), "per_layer": above[..., 0].mean(axis=(0, 2))}
+
+
+def sink_alpha_mean(alpha: np.ndarray) -> np.ndarray:
+    """alpha_0 per head, mean over samples: (N, L, H, K) -> (L, H)."""
+    return alpha[..., 0].mean(axis=0)
+
+
+def sink_center(alpha: np.ndarray) -> int:
+    """argmax_k of mean alpha_k over (sample, layer, head), k < K."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # k >= S columns are all-NaN
+        return int(np.nanargmax(np.nanmean(alpha, axis=(0, 1, 2))))
+
+
+def multi_sink_positions(profile: np.ndarray, floor: float) -> int:
+    """How many positions k have Sink_k >= floor (several early sinks = a transitional circuit)."""
+    return int(np.count_nonzero(np.asarray(profile) >= floor))
+
+
+# ---- selectivity screen (Xu 2026) --------------------------------------------------------------
+def selectivity_columns(seq_len: int, ab: np.ndarray, baseline: np.ndarray) -> tuple[np.ndarray, dict[str, slice]]:
+    """Key columns read at the query row T-1, per sequence, and where each class sits in them.
+
+    Returns cols (N, 9 + len(baseline)) = [ab+1, ab, T-2, T-1, 0, T-3, T-4, T-5, T-6, baseline...]
+    and a map class -> slice of those columns (``baseline`` included).
+    """
+    T = int(seq_len)
+    n = len(ab)
+    fixed = np.array([T - 2, T - 1, 0, *(T - o for o in LOCAL_OFFSETS)])
+    cols = np.concatenate([ab[:, None] + 1, ab[:, None], np.broadcast_to(fixed, (n, len(fixed))), np.broadcast_to(baseline, (n, len(baseline)))], axis=1)
+    layout = {
+        "induction": slice(0, 1),
+        "duplicate": slice(1, 2),
+        "previous": slice(2, 3),
+        "self": slice(3, 4),
+        "first": slice(4, 5),
+        "local": slice(5, 5 + len(LOCAL_OFFSETS)),
+        "baseline": slice(5 + len(LOCAL_OFFSETS), 5 + len(LOCAL_OFFSETS) + len(baseline)),
+    }
+    return cols.astype(np.int64), layout
+
+
+def selectivity(gathered: np.ndarray, layout: Mapping[str, slice], valid: np.ndarray) -> dict[str, np.ndarray]:
+    """Class selectivity per head: (mean over sequences of class attention) / baseline.
+
+    gathered: (N, L, H, G) attention at the query row on the columns of ``selectivity_columns``.
+    The baseline and the non-induction classes average over all sequences; ``induction`` and
+    ``duplicate`` only over ``valid`` ones (B occurs exactly once in tokens[:-1]). Multi-column
+    classes (local, baseline) first average their columns per sequence. Returns class -> (L, H).
+    """
+    valid = np.asarray(valid, dtype=bool)
+    per_seq = {name: gathered[..., sl].mean(axis=-1) for name, sl in layout.items()}  # (N, L, H)
+    base = per_seq["baseline"].mean(axis=0)
+    out = {}
+    for name in SELECTIVITY_CLASSES:
+        x = per_seq[name][valid] if name in ("induction", "duplicate") else per_seq[name]
+        mean = x.mean(axis=0) if len(x) else np.full(base.shape, np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[name] = mean / base
+    return out
+
+
+def best_class(scores: Mapping[str, np.ndarray], minimum: float = BEST_CLASS_MIN_SELECTIVITY) -> np.ndarray:
+    """Per head: the argmax class if its selectivity >= ``minimum``, else "unclassified". (L, H) str."""
+    stack = np.stack([np.nan_to_num(scores[c], nan=-np.inf) for c in SELECTIVITY_CLASSES])  # (6, L, H)
+    idx = stack.argmax(axis=0)
+    names = np.array(SELECTIVITY_CLASSES, dtype=object)[idx]
+    return np.where(stack.max(axis=0) >= minimum, names, UNCLASSIFIED)
+
+
+def head_names(mask: np.ndarray) -> list[str]:
+    """"L{l}H{h}" for every True cell of an (L, H) mask, in layer-then-head order."""
+    return [f"L{l}H{h}" for l, h in zip(*np.nonzero(mask))]
+
+
+def head_screen(scores: Mapping[str, np.ndarray], best: np.ndarray) -> dict:
+    """Sink heads, BOS fractions, induction and previous-token circuits from a selectivity screen."""
+    first = np.nan_to_num(scores["first"], nan=-np.inf)
+    induction = np.nan_to_num(scores["induction"], nan=-np.inf)
+    previous = np.nan_to_num(scores["previous"], nan=-np.inf)
+    sink = first >= SINK_HEAD_MIN_SELECTIVITY  # no best-class filter
+    total = sink.size
+    return {
+        "sink_heads": sink,
+        "sink_heads_per_layer": sink.sum(axis=1).astype(int).tolist(),
+        "bos_fraction_raw": float(sink.sum() / total),
+        "bos_fraction_bestclass": float((best == "first").sum() / total),
+        "induction_heads": head_names(induction >= INDUCTION_CIRCUIT_MIN_SELECTIVITY),
+        "n_induction_ge30": int((induction >= INDUCTION_HEAD_MIN_SELECTIVITY).sum()),
+        "n_induction_ge50": int((induction >= INDUCTION_CIRCUIT_MIN_SELECTIVITY).sum()),
+        "previous_token_heads": head_names((best == "previous") & (previous >= PREVIOUS_TOKEN_MIN_SELECTIVITY)),
+    }
+
+
+# ---- participation ratio (Xu 2026) -------------------------------------------------------------
+def participation_ratio(gram: np.ndarray) -> np.ndarray:
+    """PR = exp(-sum p log p), p = s^2 / sum s^2, s the singular values of the uncentered M.
+
+    gram: (..., D, D) = M^T M for M the (N, D) per-head outputs at the query row; its eigenvalues
+    are s^2. Range [1, D]; NaN when M is all zeros.
+    """
+    lam = np.clip(np.linalg.eigvalsh(np.asarray(gram, dtype=np.float64)), 0.0, None)
+    total = lam.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = lam / total
+        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    pr = np.exp(-plogp.sum(axis=-1))
+    return np.where(total[..., 0] > 0, pr, np.nan)
+
+
+def participation_ratio_classical(gram: np.ndarray, total: np.ndarray, count: int) -> np.ndarray:
+    """Classical PR (sum lambda)^2 / sum lambda^2 of the *centered* covariance (an option, not Xu's PR).
+
+    gram: (..., D, D) = M^T M, total: (..., D) = column sums of M, count = N.
+    """
+    mean = np.asarray(total, dtype=np.float64) / count
+    cov = (np.asarray(gram, dtype=np.float64) - count * mean[..., :, None] * mean[..., None, :]) / count
+    lam = np.clip(np.linalg.eigvalsh(cov), 0.0, None)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return lam.sum(-1) ** 2 / (lam**2).sum(-1)
+
+
+# ---- prefix matching and in-context learning (Olsson et al. 2022) ------------------------------------------
+def repeated_query_columns(half_len: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows L..2L-1 of the repeated-random probe and each row's target i - L + 1: (n, L), (n, L, 1)."""
+    rows = np.arange(half_len, 2 * half_len)
+    cols = rows - half_len + 1
+    return np.broadcast_to(rows, (n, half_len)).copy(), np.broadcast_to(cols[:, None], (n, half_len, 1)).copy()
+
+
+def induction_score(per_sample: np.ndarray) -> np.ndarray:
+    """Prefix-matching score per head: mean over sequences of the per-sequence row means. (N, L, H) -> (L, H)."""
+    return per_sample.mean(axis=0)
+
+
+def copy_losses(token_loss: torch.Tensor, half_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence mean next-token loss on the first copy (positions 1..L-1) and second (L+1..2L-1).
+
+    token_loss: (B, 2L - 1), loss of predicting position t + 1 from prefix ..t (column t).
+    """
+    L = half_len
+    first = token_loss[:, 0 : L - 1]  # predicts positions 1..L-1
+    second = token_loss[:, L : 2 * L - 1]  # predicts positions L+1..2L-1
+    return first.mean(-1), second.mean(-1)
+
+
+def icl_score(first_copy_loss: np.ndarray, second_copy_loss: np.ndarray) -> float:
+    """Mean second-copy loss minus mean first-copy loss; negative means in-context learning."""
+    return float(np.mean(second_copy_loss) - np.mean(first_copy_loss))
+
+
+# ---- the P0-sink circuit --------------------------------------------------------------------------------------
+def norm_ratio_per_sequence(norms: torch.Tensor) -> torch.Tensor:
+    """||h[0]|| / median_{t>=1} ||h[t]|| per sequence. norms: (B, S) -> (B,). Median averages the middle two."""
+    return norms[:, 0] / torch.quantile(norms[:, 1:].double(), 0.5, dim=1).to(norms.dtype)
+
+
+def p0_norm_ratio(ratio_per_sequence: np.ndarray) -> np.ndarray:
+    """rho_l = median over sequences of the per-sequence ratio. (N, L) -> (L,)."""
+    return np.median(ratio_per_sequence, axis=0)
+
+
+def direction_consistency(vectors: np.ndarray, first_tokens: np.ndarray) -> float:
+    """Mean pairwise cosine of h_l[0] over pairs of sequences whose first tokens differ.
+
+    vectors: (N, d); pairs with the same first token are excluded (their h_l[0] agree trivially,
+    since position 0 only sees itself). NaN when no pair qualifies.
+    """
+    v = np.asarray(vectors, dtype=np.float64)
+    norms = np.linalg.norm(v, axis=1, keepdims=True)
+    u = np.divide(v, norms, out=np.zeros_like(v), where=norms > 0)
+    total = u.sum(axis=0)
+    # sum over ordered pairs i != j with different tokens = |sum u|^2 - sum_groups |sum_group u|^2
+    same = 0.0
+    pairs_same = 0
+    for tok in np.unique(first_tokens):
+        g = u[first_tokens == tok]
+        s = g.sum(axis=0)
+        same += float(s @ s)
+        pairs_same += len(g) ** 2
+    n_pairs = len(u) ** 2 - pairs_same
+    if n_pairs == 0:
+        return float("nan")
+    return float((total @ total - same) / n_pairs)
+
+
+def circuit_layer(norm_ratio: np.ndarray, consistency: np.ndarray, min_ratio: float, min_consistency: float) -> int | None:
+    """First block l with rho_l >= min_ratio and c_l >= min_consistency, else None."""
+    ok = (np.nan_to_num(norm_ratio, nan=-np.inf) >= min_ratio) & (np.nan_to_num(consistency, nan=-np.inf) >= min_consistency)
+    hits = np.flatnonzero(ok)
+    return int(hits[0]) if len(hits) else None
+
+
+# ---- scoring, ablation, recall -----------------------------------------------------------------------------
+def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Mean cross-entropy, top-1 and top-5 accuracy of ``targets`` (N,) under ``logits`` (N, V)."""
+    logits = logits.float()
+    loss = torch.nn.functional.cross_entropy(logits, targets, reduction="mean")
+    topk = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+    hit = topk == targets[:, None]
+    return {"loss": float(loss), "top1": float(hit[:, 0].float().mean()), "top5": float(hit.any(-1).float().mean())}
+
+
+def matched_random_heads(heads: Iterable[tuple[int, int]], n_heads: int, seed: int = 123) -> list[tuple[int, int]]:
+    """Group-ablation control: per layer, as many random heads as the set has there, disjoint from it.
+
+    Drawn with RandomState(seed) layer by layer in increasing layer order.
+    """
+    chosen = sorted(set(heads))
+    by_layer: dict[int, list[int]] = {}
+    for l, h in chosen:
+        by_layer.setdefault(l, []).append(h)
+    rng = np.random.RandomState(seed)
+    control = []
+    for l in sorted(by_layer):
+        pool = [h for h in range(n_heads) if h not in by_layer[l]]
+        m = len(by_layer[l])
+        if m > len(pool):
+            raise ValueError(f"layer {l} has {len(by_layer[l])} ablated heads of {n_heads}: no disjoint random control exists")
+        control += [(l, int(h)) for h in sorted(rng.choice(pool, size=m, replace=False))]
+    return control
+
+
+def circuit_recall(current: Iterable[str], final: Iterable[str]) -> float | None:
+    """|S_t & S_final| / |S_final|; None when the final set is empty."""
+    final = set(final)
+    if not final:
+        return None
+    return len(set(current) & final) / len(final)
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON-safe scalar: NaN and infinities become None."""
+    x = float(x)
+    return x if math.isfinite(x) else None

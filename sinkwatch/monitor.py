@@ -1,0 +1,308 @@
+"""Monitor: probe sets x capture x metrics -> Snapshot (SPEC §1).
+
+The same ``Monitor.probe(model)`` serves the callbacks, replay and the one-shot CLI, so a number
+computed live at step N equals the one replay computes on the checkpoint saved at step N.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import metrics
+from .capture import capture, decoder_blocks, find_transformers_model, untouched
+from .collectors import AblationPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
+from .kernels import BACKENDS
+from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
+from .snapshot import Snapshot
+from .stages import StageConfig, StageTracker
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """How a probe runs. Metric thresholds are the published ones (``sinkwatch.metrics``)."""
+
+    batch_tokens: int = 16384  # tokens per probe forward (micro-batch = batch_tokens // T sequences)
+    n_first: int = metrics.SINK_PROFILE_K  # K: Sink_0 .. Sink_{K-1}
+    sink_epsilon: float = metrics.SINK_EPSILON
+    participation_ratio: bool = True
+    classical_pr: bool = False  # also report the centered (sum l)^2 / sum l^2 PR as ``pr_classical``
+    backend: str = "auto"  # attention_stats backend
+    stages: StageConfig = field(default_factory=StageConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be a positive int, got {self.batch_tokens!r}")
+        if not isinstance(self.n_first, int) or self.n_first < 1:
+            raise ValueError(f"n_first (K) must be a positive int, got {self.n_first!r}")
+        if not 0 < self.sink_epsilon < 1:
+            raise ValueError(f"sink_epsilon must be in (0, 1), got {self.sink_epsilon!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.stages, StageConfig):
+            raise TypeError("stages must be a sinkwatch.StageConfig")
+
+
+def model_vocab_size(model: nn.Module) -> int:
+    emb = model.get_input_embeddings()
+    return int(getattr(emb, "num_embeddings", None) or model.config.vocab_size)
+
+
+def model_context(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _model_name(model: nn.Module) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+class Monitor:
+    """Runs fixed probe sets through a model and computes every metric of SPEC §5.
+
+    probes: recipes (``InductionProbe()``, ``RepeatedRandomProbe()``, ``NaturalProbe(...)``) built
+    for the model's vocabulary on first use, or ready ``ProbeSet``s. At most one of each kind.
+    """
+
+    def __init__(self, probes: Sequence[ProbeRecipe | ProbeSet] = (InductionProbe(),), *, config: MonitorConfig | None = None):
+        self.config = config or MonitorConfig()
+        if not probes:
+            raise ValueError("Monitor needs at least one probe (InductionProbe(), RepeatedRandomProbe() or NaturalProbe(...))")
+        kinds = [p.kind for p in probes]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"one probe of each kind at most, got {kinds}")
+        for p in probes:
+            if not isinstance(p, (ProbeSet, InductionProbe, RepeatedRandomProbe, NaturalProbe)):
+                raise TypeError(f"probes must be probe recipes or ProbeSets, got {type(p).__name__}")
+        order = {"natural": 0, "induction": 1, "repeated": 2}
+        self.probes = sorted(probes, key=lambda p: order[p.kind])
+        self.tracker = StageTracker(self.config.stages)
+        self._built: dict[int, list[ProbeSet]] = {}
+
+    # ---- probe sets ----
+    def probe_sets(self, vocab_size: int) -> list[ProbeSet]:
+        """The frozen probe sets for a vocabulary (built once, then reused every probe)."""
+        if vocab_size not in self._built:
+            sets = [p if isinstance(p, ProbeSet) else p.build(vocab_size) for p in self.probes]
+            for s in sets:
+                s.check_vocab(vocab_size)
+            self._built[vocab_size] = sets
+        return self._built[vocab_size]
+
+    def probe_hashes(self, vocab_size: int) -> dict[str, str]:
+        return {s.kind: s.hash for s in self.probe_sets(vocab_size)}
+
+    # ---- probing ----
+    def probe(self, model: nn.Module, *, step: int | None = None, tokens: int | None = None, revision: str | None = None, model_name: str | None = None, track: bool = True) -> Snapshot:
+        """Probe ``model`` (left exactly as found) and return its Snapshot.
+
+        With ``track`` the monitor's StageTracker consumes the record (``p0_stage``,
+        ``induction_state``, declared events in ``snapshot.events``).
+        """
+        hf = find_transformers_model(model)
+        vocab = model_vocab_size(hf)
+        sets = self.probe_sets(vocab)
+        context = model_context(hf)
+        for s in sets:
+            if context is not None and s.seq_len > context:
+                raise ValueError(
+                    f"the {s.kind} probe has {s.seq_len} tokens but {type(hf).__name__} has a context of {context}; "
+                    f"use a shorter probe (--seq-len <= {context})"
+                )
+        t0 = time.perf_counter()
+        values: dict = {}
+        n_heads = None
+        sink_source = "natural" if any(s.kind == "natural" for s in sets) else "induction"
+        with untouched(hf):
+            for s in sets:
+                out, n_heads = self._run(hf, s, with_sinks=s.kind == sink_source)
+                values.update(out)
+        values["probe_seconds"] = time.perf_counter() - t0
+        snap = Snapshot(
+            model=model_name or _model_name(hf),
+            n_layers=len(values["_layers"]),
+            n_heads=n_heads,
+            probe_hashes={s.kind: s.hash for s in sets},
+            values={k: v for k, v in values.items() if not k.startswith("_")},
+            revision=revision,
+            step=step,
+            tokens=tokens,
+        )
+        record = snap.to_record()
+        if track:
+            snap.events = self.tracker.update(record)
+            keys = ("p0_stage", "induction_state", "p0_stage_now", "induction_state_now")
+        else:
+            (record["p0_stage_now"], _), (record["induction_state_now"], _) = self.tracker.classify(record)
+            keys = ("p0_stage_now", "induction_state_now")
+        snap.values.update({k: record[k] for k in keys})
+        return snap
+
+    def _batches(self, probe: ProbeSet) -> Iterable[slice]:
+        size = max(1, self.config.batch_tokens // probe.seq_len)
+        for b0 in range(0, probe.n, size):
+            yield slice(b0, min(probe.n, b0 + size))
+
+    def _forward_kwargs(self, model: nn.Module, full_logits: bool) -> dict:
+        kw = {"use_cache": False}
+        if not full_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kw["logits_to_keep"] = 1
+        return kw
+
+    def _run(self, model: nn.Module, probe: ProbeSet, *, with_sinks: bool) -> tuple[dict, int]:
+        """One probe set through the model; returns record values (plus "_layers") and n_heads."""
+        L = len(decoder_blocks(model))
+        device = next(model.parameters()).device
+        cfg = self.config
+        parts = []
+        sink = p0 = rowcols = heads = None
+        if with_sinks:
+            sink, p0 = SinkPart(L, cfg.n_first, cfg.backend), P0Part(L)
+            parts += [sink, p0]
+        if probe.kind == "induction":
+            cols, layout = metrics.selectivity_columns(probe.seq_len, probe.fields["ab"], probe.fields["baseline_positions"])
+            rowcols = RowColumnsPart(L, probe.fields["query_row"][:, None], cols[:, None, :], cfg.backend)
+            parts.append(rowcols)
+            if cfg.participation_ratio:
+                heads = HeadOutputPart(L, probe.fields["query_row"])
+                parts.append(heads)
+        elif probe.kind == "repeated":
+            half = probe.params["half_len"]
+            rows, tcols = metrics.repeated_query_columns(half, probe.n)
+            rowcols = RowColumnsPart(L, rows, tcols, cfg.backend)
+            parts.append(rowcols)
+        collector = ProbeCollector(parts)
+        full_logits = probe.kind == "repeated"
+        kwargs = self._forward_kwargs(model, full_logits)
+        last_logits, copy_first, copy_second = [], [], []
+        n_heads = None
+        with capture(model, collector) as session:
+            for batch in self._batches(probe):
+                collector.batch = batch
+                ids = probe.tokens[batch].to(device)
+                logits = session.forward(input_ids=ids, **kwargs).logits
+                if probe.kind == "induction":
+                    last_logits.append(logits[:, -1].float().cpu())
+                elif probe.kind == "repeated":
+                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+                    a, b = metrics.copy_losses(loss, probe.params["half_len"])
+                    copy_first.append(a.cpu().numpy())
+                    copy_second.append(b.cpu().numpy())
+        values: dict = {"_layers": list(range(L))}
+        if sink is not None:
+            alpha = sink.result()  # (N, L, H, K)
+            n_heads = alpha.shape[2]
+            values.update(self._sink_values(alpha))
+            ratio, vectors = p0.result()
+            values.update(self._p0_values(ratio, vectors, probe.tokens[:, 0].numpy()))
+        if probe.kind == "induction":
+            gathered, entropy = rowcols.result()  # (N, L, H, 1, G), (N, L, H, 1)
+            n_heads = gathered.shape[2]
+            valid = probe.fields["valid"].astype(bool)
+            scores = metrics.selectivity(gathered[:, :, :, 0], layout, valid)
+            best = metrics.best_class(scores)
+            screen = metrics.head_screen(scores, best)
+            values["selectivity"] = scores
+            values["best_class"] = best
+            values.update({k: v for k, v in screen.items() if k != "sink_heads"})
+            values["attention_entropy"] = entropy[:, :, :, 0].mean(axis=0)
+            targets = torch.as_tensor(probe.fields["token_b"])
+            logits = torch.cat(last_logits)
+            values["induction_target"] = metrics.target_scores(logits[valid], targets[valid]) if valid.any() else None
+            values["induction_valid_sequences"] = int(valid.sum())
+            if heads is not None:
+                gram = np.stack(heads.gram)  # (L, H, D, D)
+                values["pr"] = metrics.participation_ratio(gram)
+                if cfg.classical_pr:
+                    values["pr_classical"] = metrics.participation_ratio_classical(gram, np.stack(heads.total), heads.count)
+        elif probe.kind == "repeated":
+            gathered, _ = rowcols.result()  # (N, L, H, L_rep, 1)
+            n_heads = gathered.shape[2]
+            values["induction_score"] = metrics.induction_score(gathered[..., 0].mean(axis=-1))
+            values["icl_score"] = metrics.icl_score(np.concatenate(copy_first), np.concatenate(copy_second))
+        return values, n_heads
+
+    def _sink_values(self, alpha: np.ndarray) -> dict:
+        frac = metrics.sink_fractions(alpha, self.config.sink_epsilon)
+        return {
+            "sink_rate": frac["rate"],
+            "sink_profile": frac["profile"],
+            "sink_rate_per_layer": frac["per_layer"],
+            "sink_alpha": metrics.sink_alpha_mean(alpha),
+            "sink_center": metrics.sink_center(alpha),
+            "sink_positions": metrics.multi_sink_positions(frac["profile"], self.config.stages.secondary_sink_floor),
+        }
+
+    def _p0_values(self, ratio: np.ndarray, vectors: np.ndarray, first_tokens: np.ndarray) -> dict:
+        rho = metrics.p0_norm_ratio(ratio)
+        consistency = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(vectors.shape[1])])
+        st = self.config.stages
+        return {
+            "p0_norm_ratio": rho,
+            "p0_direction_consistency": consistency,
+            "circuit_layer": metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency),
+        }
+
+    # ---- group ablation ----
+    def ablate(self, model: nn.Module, heads: Iterable[str | tuple[int, int]], *, seed: int = 123) -> dict:
+        """Group ablation on the induction probe (SPEC §5).
+
+        Zeroes the given heads' slices before the output projection and scores the target B at the
+        query row (valid sequences): loss, top-1, top-5 for ``baseline``, ``ablated`` and a matched
+        random ``control`` (same number of heads per layer, disjoint, RandomState(seed)).
+        """
+        hf = find_transformers_model(model)
+        vocab = model_vocab_size(hf)
+        probe = next((s for s in self.probe_sets(vocab) if s.kind == "induction"), None)
+        if probe is None:
+            raise ValueError("group ablation scores the induction probe's target; configure Monitor with InductionProbe()")
+        pairs = [_parse_head(h) for h in heads]
+        L = len(decoder_blocks(hf))
+        H = _n_query_heads(hf)
+        for l, h in pairs:
+            if not (0 <= l < L and 0 <= h < H):
+                raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
+        control = metrics.matched_random_heads(pairs, H, seed=seed)
+        valid = torch.as_tensor(probe.fields["valid"].astype(bool))
+        targets = torch.as_tensor(probe.fields["token_b"])
+        result = {"heads": [f"L{l}H{h}" for l, h in sorted(set(pairs))], "control_heads": [f"L{l}H{h}" for l, h in control]}
+        with untouched(hf):
+            for name, group in (("baseline", []), ("ablated", pairs), ("control", control)):
+                keep = torch.ones(L, H)
+                for l, h in group:
+                    keep[l, h] = 0.0
+                logits = self._last_logits(hf, probe, keep)
+                result[name] = metrics.target_scores(logits[valid], targets[valid])
+        return result
+
+    def _last_logits(self, model: nn.Module, probe: ProbeSet, keep: torch.Tensor) -> torch.Tensor:
+        device = next(model.parameters()).device
+        collector = ProbeCollector([AblationPart(keep)])
+        out = []
+        with capture(model, collector) as session:
+            for batch in self._batches(probe):
+                collector.batch = batch
+                logits = session.forward(input_ids=probe.tokens[batch].to(device), **self._forward_kwargs(model, False)).logits
+                out.append(logits[:, -1].float().cpu())
+        return torch.cat(out)
+
+
+def _n_query_heads(model: nn.Module) -> int:
+    return int(model.config.num_attention_heads)
+
+
+def _parse_head(h) -> tuple[int, int]:
+    if isinstance(h, str):
+        import re
+
+        m = re.fullmatch(r"L(\d+)H(\d+)", h.strip())
+        if not m:
+            raise ValueError(f"heads are named like 'L4H2' (layer 4, head 2), got {h!r}")
+        return int(m.group(1)), int(m.group(2))
+    l, hh = h
+    return int(l), int(hh)

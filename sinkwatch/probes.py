@@ -1,0 +1,365 @@
+"""Probe sets (SPEC §3): fixed token batches with per-row metadata, hashed and stored with a run.
+
+Three kinds:
+
+- ``induction``: the paper's synthetic A...A->B batch (Xu 2026); one query row per sequence (the
+  last position, holding the second A), the induction target (B, at ab+1) and duplicate target
+  (the first A, at ab).
+- ``repeated``: Olsson-style prefix matching; random tokens R followed by R again. Rows L..2L-1
+  are induction queries and row i's target is i - L + 1.
+- ``natural``: windows of the user's own text; every row is a query (for the sink statistics).
+
+A ``ProbeSet`` is the frozen data; ``InductionProbe``/``RepeatedRandomProbe``/``NaturalProbe`` are
+the typed recipes that build one for a model's vocabulary. Both kinds are accepted by ``Monitor``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+PROBE_KINDS = ("induction", "repeated", "natural")
+PAPER_VOCAB_RANGE = (100, 10000)  # Xu 2026: token ids drawn from [100, 10000)
+_MIN_VOCAB_IDS = 3  # A != B, plus at least one other id to fill the sequence with
+MIN_INDUCTION_SEQ_LEN = 57  # the 50 baseline positions come from 1..T-7
+
+
+@dataclass(frozen=True, eq=False)
+class ProbeSet:
+    """Fixed probe tokens plus named per-sequence metadata arrays.
+
+    tokens: (N, T) int64. ``fields`` maps a name to an int64 array whose first dim is N (per
+    sequence) or to a 1-D array shared by all sequences (``baseline_positions``). ``params`` holds
+    the JSON-able generation parameters. Equal content gives an equal ``hash``.
+    """
+
+    kind: str
+    tokens: torch.Tensor
+    fields: Mapping[str, np.ndarray] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROBE_KINDS:
+            raise ValueError(f"probe kind must be one of {PROBE_KINDS}, got {self.kind!r}")
+        if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2:
+            raise ValueError("probe tokens must be a 2-D (N, T) integer tensor")
+        object.__setattr__(self, "tokens", self.tokens.detach().to("cpu", torch.int64).contiguous())
+        object.__setattr__(self, "fields", {k: np.asarray(v, dtype=np.int64) for k, v in self.fields.items()})
+        object.__setattr__(self, "params", json.loads(json.dumps(dict(self.params), sort_keys=True)))
+
+    @property
+    def n(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def hash(self) -> str:
+        """sha256 over kind, params, tokens and every field (16 hex digits)."""
+        h = hashlib.sha256()
+        h.update(self.kind.encode())
+        h.update(json.dumps(self.params, sort_keys=True).encode())
+        h.update(np.ascontiguousarray(self.tokens.numpy(), dtype="<i8").tobytes())
+        for name in sorted(self.fields):
+            h.update(name.encode())
+            arr = np.ascontiguousarray(self.fields[name], dtype="<i8")
+            h.update(str(arr.shape).encode())
+            h.update(arr.tobytes())
+        return h.hexdigest()[:16]
+
+    def subset(self, n: int) -> "ProbeSet":
+        """The first ``n`` sequences (metadata sliced alongside)."""
+        if not 1 <= n <= self.n:
+            raise ValueError(f"subset size must be in [1, {self.n}], got {n}")
+        fields = {k: (v[:n] if v.ndim and v.shape[0] == self.n and k not in _SHARED_FIELDS else v) for k, v in self.fields.items()}
+        return ProbeSet(self.kind, self.tokens[:n], fields, {**self.params, "n": n})
+
+    # ---- storage -------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        arrays = {f"field__{k}": v for k, v in self.fields.items()}
+        meta = json.dumps({"kind": self.kind, "params": self.params, "hash": self.hash}).encode()
+        np.savez_compressed(buf, tokens=self.tokens.numpy(), meta=np.frombuffer(meta, dtype=np.uint8), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ProbeSet":
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            fields = {k[len("field__"):]: z[k] for k in z.files if k.startswith("field__")}
+            probe = cls(meta["kind"], torch.from_numpy(z["tokens"]), fields, meta["params"])
+        if probe.hash != meta["hash"]:
+            raise ValueError(f"probe file is corrupt: stored hash {meta['hash']} but content hashes to {probe.hash}")
+        return probe
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write an ``.npz`` file (no pickle); returns its path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(self.to_bytes())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ProbeSet":
+        return cls.from_bytes(Path(path).read_bytes())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise if a token id falls outside [0, vocab_size)."""
+        lo, hi = int(self.tokens.min()), int(self.tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"{self.kind} probe has token ids in [{lo}, {hi}] but the model's vocabulary has {vocab_size} ids; "
+                f"rebuild the probe with vocab_range inside [0, {vocab_size}) (CLI: --vocab-range LO HI)"
+            )
+
+
+_SHARED_FIELDS = frozenset({"baseline_positions"})
+
+
+# ---- vocabulary range -----------------------------------------------------------------------
+def resolve_vocab_range(vocab_size: int, requested: Sequence[int] | None = None) -> tuple[int, int]:
+    """Token-id range [lo, hi) for the synthetic probes.
+
+    An explicit range must fit the vocabulary. The default is the paper's [100, 10000), clipped to
+    the vocabulary; when fewer than 100 ids would remain above 100 (byte-level or toy
+    vocabularies) it starts at 0 instead.
+    """
+    if requested is not None:
+        lo, hi = (int(x) for x in requested)
+        if not 0 <= lo < hi:
+            raise ValueError(f"vocab_range must satisfy 0 <= LO < HI, got [{lo}, {hi})")
+        if hi > vocab_size:
+            raise ValueError(
+                f"vocab_range [{lo}, {hi}) does not fit the model's vocabulary of {vocab_size} ids; "
+                f"pass a range with HI <= {vocab_size} (CLI: --vocab-range LO HI)"
+            )
+    else:
+        hi = min(PAPER_VOCAB_RANGE[1], vocab_size)
+        lo = PAPER_VOCAB_RANGE[0] if hi - PAPER_VOCAB_RANGE[0] >= 100 else 0
+    if hi - lo < _MIN_VOCAB_IDS:
+        raise ValueError(
+            f"token-id range [{lo}, {hi}) has {max(hi - lo, 0)} ids; the synthetic probes need at least "
+            f"{_MIN_VOCAB_IDS} (a vocabulary of {vocab_size} ids is too small, or pass a wider --vocab-range)"
+        )
+    return lo, hi
+
+
+# ---- builders ---------------------------------------------------------------------------------
+def make_induction_probe(n: int = 500, seq_len: int = 256, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 42) -> ProbeSet:
+    """The paper's induction batch (Xu 2026), drawn sequence by sequence from RandomState(seed).
+
+    Per sequence, in this order: ``seq = randint(lo, hi, size=T)``; A, B distinct from
+    ``choice(arange(lo, hi), 2, replace=False)``; ``ab = randint(20, T // 2)``; seq[ab] = A,
+    seq[ab+1] = B; every other occurrence of A is redrawn with ``randint(lo, hi)``, then every other
+    occurrence of B; finally seq[T-1] = A. Drawing sequentially makes the first m sequences of a
+    larger probe equal to the m-sequence probe.
+    """
+    lo, hi = (int(x) for x in vocab_range)
+    T = int(seq_len)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if T < MIN_INDUCTION_SEQ_LEN:
+        raise ValueError(f"the induction probe needs seq_len >= {MIN_INDUCTION_SEQ_LEN} (50 baseline positions in 1..T-7), got {T}")
+    if hi - lo < _MIN_VOCAB_IDS:
+        raise ValueError(f"vocab_range [{lo}, {hi}) is too small for the induction probe (needs >= {_MIN_VOCAB_IDS} ids)")
+    rng = np.random.RandomState(seed)
+    ids = np.arange(lo, hi)
+    tokens = np.empty((n, T), dtype=np.int64)
+    a_tok = np.empty(n, dtype=np.int64)
+    b_tok = np.empty(n, dtype=np.int64)
+    ab_pos = np.empty(n, dtype=np.int64)
+    for s in range(n):
+        seq = rng.randint(lo, hi, size=T)
+        A, B = rng.choice(ids, size=2, replace=False)
+        ab = rng.randint(20, T // 2)
+        seq[ab], seq[ab + 1] = A, B
+        for pos in np.flatnonzero(seq == A):
+            if pos != ab:
+                seq[pos] = rng.randint(lo, hi)
+        for pos in np.flatnonzero(seq == B):
+            if pos != ab + 1:
+                seq[pos] = rng.randint(lo, hi)
+        seq[T - 1] = A
+        tokens[s], a_tok[s], b_tok[s], ab_pos[s] = seq, A, B, ab
+    # Validity (paper): B occurs exactly once in tokens[:-1]; ab = that position - 1.
+    valid = np.array([np.count_nonzero(tokens[s, :-1] == b_tok[s]) == 1 for s in range(n)])
+    fields = {
+        "query_row": np.full(n, T - 1),
+        "ab": ab_pos,
+        "token_a": a_tok,
+        "token_b": b_tok,
+        "valid": valid.astype(np.int64),
+        "baseline_positions": baseline_positions(T),
+    }
+    params = {"n": n, "seq_len": T, "vocab_range": [lo, hi], "seed": seed}
+    return ProbeSet("induction", torch.from_numpy(tokens), fields, params)
+
+
+def baseline_positions(seq_len: int, count: int = 50, seed: int = 0) -> np.ndarray:
+    """The selectivity screen's 50 fixed baseline positions (Xu 2026).
+
+    Drawn one at a time as ``RandomState(seed).randint(1, T - 1)``, skipping repeats and
+    {0, T-6, ..., T-1}, until ``count`` are collected (kept in draw order).
+    """
+    T = int(seq_len)
+    excluded = {0, *range(T - 6, T)}
+    available = len(set(range(1, T - 1)) - excluded)
+    if available < count:
+        raise ValueError(f"seq_len {T} leaves only {available} baseline positions; need {count} (use seq_len >= {count + 7})")
+    rng = np.random.RandomState(seed)
+    chosen: list[int] = []
+    while len(chosen) < count:
+        p = int(rng.randint(1, T - 1))
+        if p in excluded or p in chosen:
+            continue
+        chosen.append(p)
+    return np.array(chosen, dtype=np.int64)
+
+
+def make_repeated_random_probe(n: int = 64, half_len: int = 64, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1) -> ProbeSet:
+    """Random tokens R (n, L) followed by R again: ``RandomState(seed).randint(lo, hi, size=(n, L))``."""
+    lo, hi = (int(x) for x in vocab_range)
+    L = int(half_len)
+    if n < 1 or L < 2:
+        raise ValueError(f"the repeated-random probe needs n >= 1 and half length >= 2, got n={n}, L={L}")
+    R = np.random.RandomState(seed).randint(lo, hi, size=(n, L)).astype(np.int64)
+    tokens = np.concatenate([R, R], axis=1)
+    params = {"n": n, "half_len": L, "seq_len": 2 * L, "vocab_range": [lo, hi], "seed": seed}
+    return ProbeSet("repeated", torch.from_numpy(tokens), {}, params)
+
+
+def make_natural_probe(tokens: torch.Tensor | np.ndarray | Sequence[int], n: int = 100, seq_len: int = 64, *, bos_token_id: int | None = None, source: str = "") -> ProbeSet:
+    """``n`` windows of ``seq_len`` tokens from the user's own data.
+
+    ``tokens`` is a 1-D token stream (cut into consecutive, non-overlapping windows) or a 2-D
+    (rows, >= seq_len) batch (the first ``seq_len`` tokens of the first ``n`` rows). With
+    ``bos_token_id`` each window is that id followed by ``seq_len - 1`` tokens of text.
+    """
+    data = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, torch.Tensor) else tokens).to(torch.int64).cpu()
+    T = int(seq_len)
+    body = T - (bos_token_id is not None)
+    if n < 1 or body < 1:
+        raise ValueError(f"the natural probe needs n >= 1 and seq_len >= 2, got n={n}, seq_len={T}")
+    if data.dim() == 1:
+        have = data.numel() // body
+        if have < n:
+            raise ValueError(f"text gives {data.numel()} tokens = {have} windows of {body}; need {n} (use less --n or --seq-len, or more text)")
+        windows = data[: n * body].view(n, body)
+    elif data.dim() == 2:
+        if data.shape[0] < n or data.shape[1] < body:
+            raise ValueError(f"token batch {tuple(data.shape)} is too small for {n} windows of {body} tokens")
+        windows = data[:n, :body]
+    else:
+        raise ValueError(f"natural-probe tokens must be 1-D (a stream) or 2-D (rows), got shape {tuple(data.shape)}")
+    if bos_token_id is not None:
+        windows = torch.cat([torch.full((n, 1), int(bos_token_id), dtype=torch.int64), windows], dim=1)
+    params = {"n": n, "seq_len": T, "bos_token_id": bos_token_id, "source": source}
+    return ProbeSet("natural", windows.clone(), {}, params)
+
+
+def read_text_tokens(path: str | os.PathLike, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """Tokenize a UTF-8 text file into a 1-D id stream (no special tokens)."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"text file {path} is empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor(ids, dtype=torch.int64)
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+# ---- recipes: typed, validated, built for one vocabulary ------------------------------------------
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InductionProbe:
+    """Recipe for the paper's induction batch. Paper: n=2000, seq_len=256, seed 42."""
+
+    n: int = 500
+    seq_len: int = 256
+    vocab_range: tuple[int, int] | None = None
+    seed: int = 42
+    kind = "induction"
+
+    def __post_init__(self) -> None:
+        _check_positive("n", self.n)
+        if not isinstance(self.seq_len, int) or self.seq_len < MIN_INDUCTION_SEQ_LEN:
+            raise ValueError(
+                f"induction probe seq_len must be an int >= {MIN_INDUCTION_SEQ_LEN} "
+                f"(positions 1..T-7 must hold the 50 baseline positions), got {self.seq_len!r}"
+            )
+
+    def build(self, vocab_size: int) -> ProbeSet:
+        return make_induction_probe(self.n, self.seq_len, vocab_range=resolve_vocab_range(vocab_size, self.vocab_range), seed=self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepeatedRandomProbe:
+    """Recipe for the repeated-random batch; ``seq_len`` is the full length 2L."""
+
+    n: int = 64
+    seq_len: int = 128
+    vocab_range: tuple[int, int] | None = None
+    seed: int = 1
+    kind = "repeated"
+
+    def __post_init__(self) -> None:
+        _check_positive("n", self.n)
+        if not isinstance(self.seq_len, int) or self.seq_len < 4 or self.seq_len % 2:
+            raise ValueError(f"repeated-random seq_len is 2L and must be an even int >= 4, got {self.seq_len!r}")
+
+    def build(self, vocab_size: int) -> ProbeSet:
+        return make_repeated_random_probe(self.n, self.seq_len // 2, vocab_range=resolve_vocab_range(vocab_size, self.vocab_range), seed=self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NaturalProbe:
+    """Recipe for natural-text windows (Gu et al. 2024 use 100 x 64) from a token stream or a text file."""
+
+    tokens: Any = None  # 1-D stream or 2-D rows of ids
+    text_file: str | None = None
+    tokenizer: Any = None  # needed with text_file (a transformers tokenizer or a name to load)
+    n: int = 100
+    seq_len: int = 64
+    bos_token_id: int | None = None
+    kind = "natural"
+
+    def __post_init__(self) -> None:
+        _check_positive("n", self.n)
+        _check_positive("seq_len", self.seq_len)
+        if (self.tokens is None) == (self.text_file is None):
+            raise ValueError("NaturalProbe needs exactly one of tokens= (ids) or text_file= (with tokenizer=)")
+        if self.text_file is not None and self.tokenizer is None:
+            raise ValueError("NaturalProbe(text_file=...) needs tokenizer= (a tokenizer object or a hub id / local dir)")
+
+    def build(self, vocab_size: int) -> ProbeSet:
+        if self.text_file is not None:
+            tok = self.tokenizer
+            if isinstance(tok, (str, os.PathLike)):
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(tok))
+            stream = read_text_tokens(self.text_file, tok)
+            source = os.path.basename(str(self.text_file))
+        else:
+            stream, source = self.tokens, "tokens"
+        probe = make_natural_probe(stream, self.n, self.seq_len, bos_token_id=self.bos_token_id, source=source)
+        probe.check_vocab(vocab_size)
+        return probe
+
+
+ProbeRecipe = InductionProbe | RepeatedRandomProbe | NaturalProbe

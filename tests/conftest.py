@@ -1,0 +1,42 @@
+import os
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from sinkwatch.bytelevel import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+class _TrainedModels:
+    """Each family trained once per session on the copy task (600 steps: induction forms, ICL < -5 nats)."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def get(self, family, steps=600):
+        import copy
+
+        from tiny_models import build, train
+
+        if (family, steps) not in self._cache:
+            model = build(family)
+            train(model, steps)
+            self._cache[(family, steps)] = model
+        return copy.deepcopy(self._cache[(family, steps)])
+
+
+@pytest.fixture(scope="session")
+def trained_models():
+    return _TrainedModels()

@@ -1,0 +1,42 @@
+"""Generated attention_stats problems shared by the kernel tests (PyTorch path and Triton)."""
+
+from __future__ import annotations
+
+import torch
+
+# Named tolerances: both sides read the same (possibly low-precision) inputs, so errors are
+# float32 accumulation only; the reference works in float64.
+LSE_ATOL = 2e-5
+ENTROPY_ATOL = 2e-5
+PROB_ATOL = 2e-6
+
+
+def make_inputs(B, Hq, Hkv, S, D, *, dtype=torch.float32, layout="contiguous", seed=0, scale=1.0, device="cpu"):
+    """q (B, Hq, S, D), k (B, Hkv, S, D) with the requested memory layout.
+
+    layout: "contiguous"; "bshd" (a transposed (B, S, H, D) buffer, as models produce);
+    "sliced" (every other element of a wider head dim, inner stride 2).
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def one(H):
+        if layout == "bshd":
+            return (torch.randn(B, S, H, D, generator=g) * scale).to(dtype).transpose(1, 2)
+        if layout == "sliced":
+            return (torch.randn(B, H, S, 2 * D, generator=g) * scale).to(dtype)[..., ::2]
+        return (torch.randn(B, H, S, D, generator=g) * scale).to(dtype)
+
+    q, k = one(Hq), one(Hkv)
+    return q.to(device), k.to(device)
+
+
+def assert_close_to_reference(got, ref, *, G: int):
+    """Every output cell written, finite, and within the named tolerances of the float64 reference."""
+    for name, a, b, atol in (("lse", got.lse, ref.lse, LSE_ATOL), ("entropy", got.entropy, ref.entropy, ENTROPY_ATOL), ("first", got.first, ref.first, PROB_ATOL), ("gathered", got.gathered, ref.gathered, PROB_ATOL)):
+        assert a.dtype == torch.float32, name
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) cells"
+        a64 = a.double().cpu()
+        err = (a64 - b.cpu()).abs()
+        tol = atol + 1e-5 * b.cpu().abs()
+        assert (err <= tol).all(), f"{name}: max error {float(err.max()):.3g} (atol {atol})"
