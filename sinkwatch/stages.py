@@ -36,7 +36,7 @@ class StageConfig:
     circuit_min_consistency: float = 0.9  # c_l >= C
     final_max_circuit_layer: int = 1  # "final": the circuit sits in blocks 0-1
     # P0 sinks
-    sink_rate_floor: float = 0.02  # sinks present: Sink_0 >= this ("sink rate ~ 0" below it)
+    sink_rate_floor: float = 0.02  # sinks present: some Sink_k >= this ("sink rate ~ 0" below it)
     secondary_sink_floor: float = 0.05  # a position k counts as a sink when Sink_k >= this
     # induction (paper rule on the induction probe)
     min_heads: int | None = None  # None: 3 for >= 72 heads (the paper's 1B models), fewer for tiny models
@@ -89,16 +89,20 @@ class StageConfig:
 
 # ---- per-record rules -------------------------------------------------------------------------------
 def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, dict]:
-    """P0 stage of one record alone, and the evidence used. Needs the sink keys of SPEC §10."""
-    rate = record.get("sink_rate")
-    if rate is None:
+    """P0 stage of one record alone, and the evidence used. Needs the sink keys of SPEC §10.
+
+    "Sinks present" means some early position k < K has Sink_k >= sink_rate_floor (a sink on
+    position 1 is still a sink); the circuit layer is the first block with amplified, direction-
+    stable position-0 state.
+    """
+    if record.get("sink_rate") is None or record.get("sink_profile") is None:
         return "none", {"reason": "no sink statistics"}
-    profile = np.asarray(record["sink_profile"], dtype=float)
+    profile = np.nan_to_num(np.asarray(record["sink_profile"], dtype=float), nan=0.0)
     centre = record["sink_center"]
     layer = record.get("circuit_layer")
     n_sink_positions = metrics.multi_sink_positions(profile, config.secondary_sink_floor)
-    sinks = rate >= config.sink_rate_floor
-    evidence = {"sink_rate": rate, "sink_center": centre, "circuit_layer": layer, "sink_positions": n_sink_positions}
+    sinks = float(profile.max()) >= config.sink_rate_floor
+    evidence = {"sink_rate": record["sink_rate"], "max_sink_k": float(profile.max()), "sink_center": centre, "circuit_layer": layer, "sink_positions": n_sink_positions}
     if not sinks and layer is None:
         stage = "none"
     elif sinks and (centre != 0 or n_sink_positions >= 2):

@@ -1,0 +1,44 @@
+"""A real developmental trajectory: a tiny model trained by the tests until induction forms.
+
+The data repeats a random segment whose period varies per sequence (8..47 tokens), so a fixed
+positional offset cannot solve it: the model has to learn content-based induction, which is what
+the paper's single-bigram probe measures. Probes every ``every`` steps with both induction probes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
+from tiny_models import VOCAB, build
+
+
+def periodic_batch(rng: np.random.RandomState, batch: int, seq_len: int) -> torch.Tensor:
+    x = np.empty((batch, seq_len), dtype=np.int64)
+    for b in range(batch):
+        period = rng.randint(8, 48)
+        x[b] = np.tile(rng.randint(2, VOCAB, size=period), seq_len // period + 1)[:seq_len]
+    return torch.from_numpy(x)
+
+
+def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100, seed: int = 0, lr: float = 3e-3) -> list[dict]:
+    """Records (SPEC §10, untracked) at steps 0, every, 2*every, ..., steps."""
+    torch.manual_seed(seed)
+    rng = np.random.RandomState(seed)
+    model = build(family, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    monitor = Monitor([InductionProbe(n=64, seq_len=128), RepeatedRandomProbe(n=16, seq_len=64)])
+    records = []
+    for step in range(steps + 1):
+        if step % every == 0:
+            records.append(monitor.probe(model, step=step, tokens=step * 16 * 128, track=False).to_record())
+        if step == steps:
+            break
+        model.train()
+        ids = periodic_batch(rng, 16, 128)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return records
