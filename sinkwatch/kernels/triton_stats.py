@@ -1,0 +1,192 @@
+"""Triton backend of ``attention_stats`` (the GPU path of SPEC §4).
+
+One program handles BLOCK_M query rows of one (sequence, q-head):
+
+    pass 1  online softmax over key blocks 0 .. max(row)  (blocks above the causal diagonal and
+            left of a sliding window are never visited): running max m, sum l = sum e^(s-m) and
+            t = sum e^(s-m) * s; then lse = m + log l and entropy = lse - t / l
+    pass 2  probabilities on keys 0..n_first-1:  exp(s - lse)
+    pass 3  probabilities on the gathered columns, one column per step: exp(q . k_col * scale - lse)
+
+GQA by index (q-head h reads kv-head h // groups; k is never repeated), arbitrary strides,
+float32/float16/bfloat16 inputs with float32 accumulation. A subset of rows costs O(S) per row.
+
+Testing on CPU: set ``TRITON_INTERPRET=1`` before this module is imported; loads are cast to
+float32 there (the interpreter's bf16 dot is wrong) and a single small config is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .api import AttentionStats, StatsProblem, empty_outputs
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key
+
+
+def _configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+            (64, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2), (16, 32, 2, 2),
+        ]
+    ]  # fmt: skip
+
+
+@triton.jit
+def _softcap(s, softcap):
+    # softcap * tanh(s / softcap), tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): never overflows
+    e = tl.exp(-2.0 * tl.abs(s) / softcap)
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(s < 0, -t, t)
+
+
+@triton.autotune(configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"])
+@triton.jit
+def _attention_stats_kernel(
+    q_ptr, k_ptr, rows_ptr, cols_ptr,
+    lse_ptr, ent_ptr, first_ptr, gath_ptr,
+    sq_b, sq_h, sq_s, sq_d,
+    sk_b, sk_h, sk_s, sk_d,
+    sr_b, sr_q,
+    sc_b, sc_q, sc_g,
+    scaling, softcap, window,
+    N_Q_HEADS, GROUPS, SEQ, Q_LEN, N_FIRST, N_GATHER,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // N_Q_HEADS
+    h = pid_bh % N_Q_HEADS
+    kvh = h // GROUPS
+
+    qi = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in [0, Q)
+    q_ok = qi < Q_LEN
+    if HAS_ROWS:
+        pos = tl.load(rows_ptr + b * sr_b + qi * sr_q, mask=q_ok, other=0)
+    else:
+        pos = qi
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_base = q_ptr + b * sq_b + h * sq_h
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    q = tl.load(q_base + pos[:, None] * sq_s + offs_d[None, :] * sq_d, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    if CAST_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    t_i = tl.zeros([BLOCK_M], tl.float32)
+
+    # causal crop: no row of this block sees keys beyond its largest position
+    hi = tl.max(tl.where(q_ok, pos, 0)) + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo_pos = tl.min(tl.where(q_ok, pos, SEQ)) - window + 1
+        lo = tl.maximum(lo_pos, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_n[:, None] < SEQ) & d_ok[None, :], other=0.0)
+        if CAST_F32:
+            k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scaling
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap)
+        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < SEQ)
+        if HAS_WINDOW:
+            valid = valid & ((pos[:, None] - offs_n[None, :]) < window)
+        s = tl.where(valid, s, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        t_i = t_i * alpha + tl.sum(p * tl.where(valid, s, 0.0), axis=1)
+        m_i = m_new
+
+    l_safe = tl.where(q_ok, l_i, 1.0)  # padding rows of the block saw no key
+    lse = m_i + tl.log(l_safe)
+    entropy = lse - t_i / l_safe
+    out_row = pid_bh * Q_LEN + qi  # outputs are contiguous (B, Hq, Q, ...)
+    tl.store(lse_ptr + out_row, lse, mask=q_ok)
+    tl.store(ent_ptr + out_row, entropy, mask=q_ok)
+
+    # probabilities on keys 0 .. N_FIRST-1
+    if BLOCK_F > 0:
+        offs_f = tl.arange(0, BLOCK_F)
+        kf = tl.load(k_base + offs_f[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_f[:, None] < SEQ) & (offs_f[:, None] < N_FIRST) & d_ok[None, :], other=0.0)
+        if CAST_F32:
+            kf = kf.to(tl.float32)
+            sf = tl.dot(q, tl.trans(kf), input_precision="ieee")
+        else:
+            sf = tl.dot(q, tl.trans(kf))
+        sf = sf * scaling
+        if HAS_SOFTCAP:
+            sf = _softcap(sf, softcap)
+        ok = (offs_f[None, :] <= pos[:, None]) & (offs_f[None, :] < SEQ)
+        if HAS_WINDOW:
+            ok = ok & ((pos[:, None] - offs_f[None, :]) < window)
+        pf = tl.exp(tl.where(ok, sf - lse[:, None], _NEG))  # masked keys: exp(-1e30) = 0, no overflow
+        tl.store(first_ptr + out_row[:, None] * N_FIRST + offs_f[None, :], pf, mask=q_ok[:, None] & (offs_f[None, :] < N_FIRST))
+
+    # probabilities on gathered columns, one column per step (each row reads its own key)
+    qf = q.to(tl.float32)
+    for g in range(0, N_GATHER):
+        col = tl.load(cols_ptr + b * sc_b + qi * sc_q + g * sc_g, mask=q_ok, other=-1)
+        use = q_ok & (col >= 0) & (col <= pos)
+        if HAS_WINDOW:
+            use = use & ((pos - col) < window)
+        kg = tl.load(k_base + col[:, None] * sk_s + offs_d[None, :] * sk_d, mask=use[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        sg = tl.sum(qf * kg, axis=1) * scaling
+        if HAS_SOFTCAP:
+            sg = _softcap(sg, softcap)
+        pg = tl.exp(tl.where(use, sg - lse, _NEG))
+        tl.store(gath_ptr + out_row * N_GATHER + g, pg, mask=q_ok)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
+    q, k = problem.q, problem.k
+    B, Hq, Hkv, S, D, Q, G = problem.shape
+    if not (q.is_cuda or _INTERPRET):
+        raise RuntimeError(
+            "the Triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before importing "
+            "sinkwatch.kernels.triton_stats (slow; for tests), or use backend='torch'"
+        )
+    if q.dtype == torch.float64:
+        q, k = q.float(), k.float()
+    out = empty_outputs(problem)
+    dummy = torch.zeros(1, 1, 1, dtype=torch.int64, device=q.device)
+    rows = problem.rows if problem.rows is not None else dummy[0]
+    cols = problem.cols if problem.cols is not None else dummy
+    cast = _INTERPRET or q.dtype == torch.float32
+    grid = lambda meta: (triton.cdiv(Q, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    _attention_stats_kernel[grid](
+        q, k, rows, cols,
+        out.lse, out.entropy, out.first, out.gathered,
+        *q.stride(), *k.stride(),
+        rows.stride(0), rows.stride(1),
+        cols.stride(0), cols.stride(1), cols.stride(2),
+        problem.scaling, problem.softcap or 1.0, problem.window or 0,
+        Hq, Hq // Hkv, S, Q, problem.n_first, G,
+        HEAD_DIM=D, BLOCK_D=_pow2_at_least_16(D), BLOCK_F=0 if problem.n_first == 0 else _pow2_at_least_16(problem.n_first),
+        HAS_ROWS=problem.rows is not None, HAS_WINDOW=problem.window is not None,
+        HAS_SOFTCAP=problem.softcap is not None, CAST_F32=cast,
+    )  # fmt: skip
+    return out

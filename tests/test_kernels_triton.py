@@ -1,0 +1,137 @@
+"""The Triton kernel against the float64 reference and the PyTorch path.
+
+Without CUDA these run on CPU tensors through the Triton interpreter (TRITON_INTERPRET=1 is set
+here, before the kernel module is imported); with CUDA the same cases run compiled, plus
+realistic shapes.
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from kernel_cases import assert_close_to_reference, make_inputs  # noqa: E402
+from sinkwatch import attention_stats  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA:
+    import sinkwatch.kernels.triton_stats as _ts  # noqa: E402
+
+    if not _ts._INTERPRET:  # imported earlier in this process without the interpreter
+        pytest.skip("the Triton kernel module was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+
+SEQS = (1, 7, 64, 129, 300)
+DIMS = (64, 128, 256)
+GROUPS = (1, 2, 4)
+VARIANTS = ("all_rows", "rows_cols", "window_softcap")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LAYOUTS = ("contiguous", "bshd", "sliced")
+
+# 45 cases: every (S, head dim) pair, each variant, with groups, dtypes and layouts cycling through.
+CASES = [
+    (S, D, GROUPS[i % 3], variant, DTYPES[i % 3], LAYOUTS[(i // 3) % 3])
+    for i, (S, D, variant) in enumerate(itertools.product(SEQS, DIMS, VARIANTS))
+]
+
+
+def variant_kwargs(variant, B, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    if variant == "all_rows":
+        return dict(n_first=S + 3)  # n_first > S
+    if variant == "rows_cols":
+        Q, G = 3, 4
+        rows = torch.randint(0, S, (B, Q), generator=g)
+        cols = torch.randint(-1, S, (B, Q, G), generator=g)  # -1 and positions after the query
+        cols[:, :, 0] = -1
+        cols[:, :, 1] = rows  # the query itself (self)
+        return dict(rows=rows.to(DEVICE), cols=cols.to(DEVICE), n_first=8)
+    return dict(window=max(1, S // 3), softcap=5.0, n_first=4)
+
+
+@pytest.mark.parametrize("S, D, groups, variant, dtype, layout", CASES)
+def test_triton_matches_reference_and_torch(S, D, groups, variant, dtype, layout):
+    B, Hkv = 1, 1
+    q, k = make_inputs(B, Hkv * groups, Hkv, S, D, dtype=dtype, layout=layout, seed=S * D + groups, device=DEVICE)
+    kw = variant_kwargs(variant, B, S, seed=S + D)
+    tri = attention_stats(q, k, D**-0.5, backend="triton", **kw)  # outputs pre-filled with NaN
+    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()})
+    assert_close_to_reference(tri, ref, G=0)
+    tor = attention_stats(q, k, D**-0.5, backend="torch", **kw)
+    for a, b in zip(tri, tor):
+        torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+
+
+def test_gqa_reads_the_right_kv_head():
+    q, k = make_inputs(2, 4, 2, 33, 64, seed=9, device=DEVICE)
+    k[:, 1] *= 3.0  # kv heads differ strongly
+    tri = attention_stats(q, k, 0.125, backend="triton")
+    ref = attention_stats(q.cpu(), k.cpu(), 0.125, backend="reference")
+    assert_close_to_reference(tri, ref, G=0)
+
+
+def test_import_never_touches_a_gpu_driver():
+    code = "import os; os.environ.pop('TRITON_INTERPRET', None); import sinkwatch.kernels.triton_stats; print('ok')"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    code = (
+        "import os, torch; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from sinkwatch import attention_stats\n"
+        "q = torch.zeros(1, 1, 4, 16)\n"
+        "try:\n    attention_stats(q, q, 0.25, backend='triton')\nexcept RuntimeError as e:\n    print('RuntimeError', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "RuntimeError" in res.stdout and "TRITON_INTERPRET=1" in res.stdout, res.stdout + res.stderr
+
+
+# ---- realistic shapes, GPU only ---------------------------------------------------------------------
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("S, D, Hq, Hkv", [(1024, 128, 16, 16), (2048, 64, 12, 12), (2048, 256, 8, 8), (4096, 128, 32, 8), (1000, 128, 8, 2)])
+def test_gpu_realistic_shapes_bf16(S, D, Hq, Hkv):
+    q, k = make_inputs(2, Hq, Hkv, S, D, dtype=torch.bfloat16, layout="bshd", seed=1, device="cuda")
+    rows = torch.stack([torch.arange(S - 8, S), torch.arange(0, 8)]).cuda()
+    cols = torch.randint(-1, S, (2, 8, 60), device="cuda")
+    auto = attention_stats(q, k, D**-0.5, rows=rows, cols=cols)
+    tri = attention_stats(q, k, D**-0.5, rows=rows, cols=cols, backend="triton")
+    for a, b in zip(auto, tri):
+        assert torch.equal(a, b)  # auto on CUDA is the Triton kernel
+    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, rows=rows.cpu(), cols=cols.cpu(), backend="reference")
+    assert_close_to_reference(tri, ref, G=60)
+    full = attention_stats(q, k, D**-0.5, backend="triton")
+    tor = attention_stats(q, k, D**-0.5, backend="torch")
+    for a, b in zip(full, tor):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_no_allocation_grows_with_s_squared():
+    torch.cuda.synchronize()
+    peaks = []
+    for S in (2048, 8192):
+        q, k = make_inputs(1, 16, 16, S, 128, dtype=torch.bfloat16, seed=0, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        attention_stats(q, k, 128**-0.5, backend="triton")
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert peaks[1] < 8 * peaks[0]  # 4x longer: outputs grow 4x; S^2 would be 16x
