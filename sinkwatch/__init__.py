@@ -1,6 +1,6 @@
 """sinkwatch: watch attention sinks and induction heads form while a language model trains."""
 
-from .capture import UnsupportedModelError, find_transformers_model
+from .capture import CustomTarget, HFTarget, ProbeTarget, UnsupportedModelError, attend, find_transformers_model
 from .kernels import AttentionStats, attention_stats
 from .monitor import Monitor, MonitorConfig
 from .probes import (
@@ -19,6 +19,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionStats",
+    "CustomTarget",
+    "HFTarget",
+    "ProbeTarget",
+    "attend",
     "InductionProbe",
     "Monitor",
     "MonitorConfig",

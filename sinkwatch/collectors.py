@@ -114,6 +114,15 @@ class HeadOutputPart(Part):
         return output
 
 
+class HeadCountPart(Part):
+    """Records the number of query heads (the same in every layer)."""
+
+    n_heads: int | None = None
+
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
+        self.n_heads = int(query.shape[1])
+
+
 @dataclass
 class AblationPart(Part):
     """Zero chosen heads' slices of the output-projection input. keep: (L, H) of 0/1."""

@@ -158,8 +158,10 @@ def participation_ratio(gram: np.ndarray) -> np.ndarray:
     gram: (..., D, D) = M^T M for M the (N, D) per-head outputs at the query row; its eigenvalues
     are s^2. Range [1, D]; NaN when M is all zeros.
     """
-    lam = np.clip(np.linalg.eigvalsh(np.asarray(gram, dtype=np.float64)), 0.0, None)
-    total = lam.sum(axis=-1, keepdims=True)
+    gram = np.asarray(gram, dtype=np.float64)
+    finite = np.isfinite(gram).all(axis=(-1, -2))  # NaN activations: PR is undefined, not an error
+    lam = np.clip(np.linalg.eigvalsh(np.where(finite[..., None, None], gram, 0.0)), 0.0, None)
+    total = np.where(finite, lam.sum(axis=-1), 0.0)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         p = lam / total
         plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
@@ -174,9 +176,10 @@ def participation_ratio_classical(gram: np.ndarray, total: np.ndarray, count: in
     """
     mean = np.asarray(total, dtype=np.float64) / count
     cov = (np.asarray(gram, dtype=np.float64) - count * mean[..., :, None] * mean[..., None, :]) / count
-    lam = np.clip(np.linalg.eigvalsh(cov), 0.0, None)
+    finite = np.isfinite(cov).all(axis=(-1, -2))
+    lam = np.clip(np.linalg.eigvalsh(np.where(finite[..., None, None], cov, 0.0)), 0.0, None)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return lam.sum(-1) ** 2 / (lam**2).sum(-1)
+        return np.where(finite, lam.sum(-1) ** 2 / (lam**2).sum(-1), np.nan)
 
 
 # ---- prefix matching and in-context learning (Olsson et al. 2022) ------------------------------------------

@@ -6,7 +6,7 @@ computed live at step N equals the one replay computes on the checkpoint saved a
 
 from __future__ import annotations
 
-import inspect
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from . import metrics
-from .capture import capture, decoder_blocks, find_transformers_model, untouched
-from .collectors import AblationPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
+from .capture import ProbeTarget, resolve_target, untouched
+from .collectors import AblationPart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .snapshot import Snapshot
@@ -47,19 +47,6 @@ class MonitorConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.stages, StageConfig):
             raise TypeError("stages must be a sinkwatch.StageConfig")
-
-
-def model_vocab_size(model: nn.Module) -> int:
-    emb = model.get_input_embeddings()
-    return int(getattr(emb, "num_embeddings", None) or model.config.vocab_size)
-
-
-def model_context(model: nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def _model_name(model: nn.Module) -> str:
-    return getattr(model.config, "_name_or_path", "") or type(model).__name__
 
 
 class Monitor:
@@ -98,37 +85,48 @@ class Monitor:
         return {s.kind: s.hash for s in self.probe_sets(vocab_size)}
 
     # ---- probing ----
-    def probe(self, model: nn.Module, *, step: int | None = None, tokens: int | None = None, revision: str | None = None, model_name: str | None = None, track: bool = True) -> Snapshot:
+    def probe(
+        self,
+        model: nn.Module | ProbeTarget,
+        *,
+        step: int | None = None,
+        tokens: int | None = None,
+        revision: str | None = None,
+        model_name: str | None = None,
+        track: bool = True,
+        runner: nn.Module | None = None,
+    ) -> Snapshot:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
+        ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
+        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. ``runner``: the module
+        whose forward runs the probe when it is not the model itself (an FSDP root wrapper).
         With ``track`` the monitor's StageTracker consumes the record (``p0_stage``,
         ``induction_state``, declared events in ``snapshot.events``).
         """
-        hf = find_transformers_model(model)
-        vocab = model_vocab_size(hf)
-        sets = self.probe_sets(vocab)
-        context = model_context(hf)
+        target = resolve_target(model, runner)
+        sets = self.probe_sets(target.vocab_size)
         for s in sets:
-            if context is not None and s.seq_len > context:
+            if target.context is not None and s.seq_len > target.context:
                 raise ValueError(
-                    f"the {s.kind} probe has {s.seq_len} tokens but {type(hf).__name__} has a context of {context}; "
-                    f"use a shorter probe (--seq-len <= {context})"
+                    f"the {s.kind} probe has {s.seq_len} tokens but {target.name} has a context of {target.context}; "
+                    f"use a shorter probe (--seq-len <= {target.context})"
                 )
         t0 = time.perf_counter()
         values: dict = {}
         n_heads = None
         sink_source = "natural" if any(s.kind == "natural" for s in sets) else "induction"
-        with untouched(hf):
+        with untouched(target.module):
             for s in sets:
-                out, n_heads = self._run(hf, s, with_sinks=s.kind == sink_source)
+                out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
                 values.update(out)
         values["probe_seconds"] = time.perf_counter() - t0
         snap = Snapshot(
-            model=model_name or _model_name(hf),
-            n_layers=len(values["_layers"]),
+            model=model_name or target.name,
+            n_layers=target.n_layers,
             n_heads=n_heads,
             probe_hashes={s.kind: s.hash for s in sets},
-            values={k: v for k, v in values.items() if not k.startswith("_")},
+            values=values,
             revision=revision,
             step=step,
             tokens=tokens,
@@ -148,16 +146,10 @@ class Monitor:
         for b0 in range(0, probe.n, size):
             yield slice(b0, min(probe.n, b0 + size))
 
-    def _forward_kwargs(self, model: nn.Module, full_logits: bool) -> dict:
-        kw = {"use_cache": False}
-        if not full_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
-            kw["logits_to_keep"] = 1
-        return kw
-
-    def _run(self, model: nn.Module, probe: ProbeSet, *, with_sinks: bool) -> tuple[dict, int]:
-        """One probe set through the model; returns record values (plus "_layers") and n_heads."""
-        L = len(decoder_blocks(model))
-        device = next(model.parameters()).device
+    def _run(self, target: ProbeTarget, probe: ProbeSet, *, with_sinks: bool) -> tuple[dict, int]:
+        """One probe set through the model; returns record values and n_heads."""
+        L = target.n_layers
+        device = next(target.module.parameters()).device
         cfg = self.config
         parts = []
         sink = p0 = rowcols = heads = None
@@ -172,20 +164,16 @@ class Monitor:
                 heads = HeadOutputPart(L, probe.fields["query_row"])
                 parts.append(heads)
         elif probe.kind == "repeated":
-            half = probe.params["half_len"]
-            rows, tcols = metrics.repeated_query_columns(half, probe.n)
+            rows, tcols = metrics.repeated_query_columns(probe.params["half_len"], probe.n)
             rowcols = RowColumnsPart(L, rows, tcols, cfg.backend)
             parts.append(rowcols)
         collector = ProbeCollector(parts)
-        full_logits = probe.kind == "repeated"
-        kwargs = self._forward_kwargs(model, full_logits)
         last_logits, copy_first, copy_second = [], [], []
-        n_heads = None
-        with capture(model, collector) as session:
+        with target.capture(collector) as forward:
             for batch in self._batches(probe):
                 collector.batch = batch
                 ids = probe.tokens[batch].to(device)
-                logits = session.forward(input_ids=ids, **kwargs).logits
+                logits = forward(ids, all_logits=probe.kind == "repeated")
                 if probe.kind == "induction":
                     last_logits.append(logits[:, -1].float().cpu())
                 elif probe.kind == "repeated":
@@ -193,7 +181,8 @@ class Monitor:
                     a, b = metrics.copy_losses(loss, probe.params["half_len"])
                     copy_first.append(a.cpu().numpy())
                     copy_second.append(b.cpu().numpy())
-        values: dict = {"_layers": list(range(L))}
+        n_heads = None
+        values: dict = {}
         if sink is not None:
             alpha = sink.result()  # (N, L, H, K)
             n_heads = alpha.shape[2]
@@ -249,21 +238,20 @@ class Monitor:
         }
 
     # ---- group ablation ----
-    def ablate(self, model: nn.Module, heads: Iterable[str | tuple[int, int]], *, seed: int = 123) -> dict:
+    def ablate(self, model: nn.Module | ProbeTarget, heads: Iterable[str | tuple[int, int]], *, seed: int = 123) -> dict:
         """Group ablation on the induction probe (SPEC §5).
 
         Zeroes the given heads' slices before the output projection and scores the target B at the
         query row (valid sequences): loss, top-1, top-5 for ``baseline``, ``ablated`` and a matched
         random ``control`` (same number of heads per layer, disjoint, RandomState(seed)).
         """
-        hf = find_transformers_model(model)
-        vocab = model_vocab_size(hf)
-        probe = next((s for s in self.probe_sets(vocab) if s.kind == "induction"), None)
+        target = resolve_target(model)
+        probe = next((s for s in self.probe_sets(target.vocab_size) if s.kind == "induction"), None)
         if probe is None:
             raise ValueError("group ablation scores the induction probe's target; configure Monitor with InductionProbe()")
         pairs = [_parse_head(h) for h in heads]
-        L = len(decoder_blocks(hf))
-        H = _n_query_heads(hf)
+        L = target.n_layers
+        H = self._n_query_heads(target, probe)
         for l, h in pairs:
             if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
@@ -271,35 +259,35 @@ class Monitor:
         valid = torch.as_tensor(probe.fields["valid"].astype(bool))
         targets = torch.as_tensor(probe.fields["token_b"])
         result = {"heads": [f"L{l}H{h}" for l, h in sorted(set(pairs))], "control_heads": [f"L{l}H{h}" for l, h in control]}
-        with untouched(hf):
+        with untouched(target.module):
             for name, group in (("baseline", []), ("ablated", pairs), ("control", control)):
                 keep = torch.ones(L, H)
                 for l, h in group:
                     keep[l, h] = 0.0
-                logits = self._last_logits(hf, probe, keep)
+                logits = self._last_logits(target, probe, [AblationPart(keep)])
                 result[name] = metrics.target_scores(logits[valid], targets[valid])
         return result
 
-    def _last_logits(self, model: nn.Module, probe: ProbeSet, keep: torch.Tensor) -> torch.Tensor:
-        device = next(model.parameters()).device
-        collector = ProbeCollector([AblationPart(keep)])
+    def _last_logits(self, target: ProbeTarget, probe: ProbeSet, parts: list) -> torch.Tensor:
+        device = next(target.module.parameters()).device
+        collector = ProbeCollector(parts)
         out = []
-        with capture(model, collector) as session:
+        with target.capture(collector) as forward:
             for batch in self._batches(probe):
                 collector.batch = batch
-                logits = session.forward(input_ids=probe.tokens[batch].to(device), **self._forward_kwargs(model, False)).logits
-                out.append(logits[:, -1].float().cpu())
+                out.append(forward(probe.tokens[batch].to(device))[:, -1].float().cpu())
         return torch.cat(out)
 
-
-def _n_query_heads(model: nn.Module) -> int:
-    return int(model.config.num_attention_heads)
+    def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> int:
+        """Query heads per layer, read off one short captured forward (works for any target)."""
+        counter = HeadCountPart()
+        with untouched(target.module):
+            self._last_logits(target, probe.subset(1), [counter])
+        return counter.n_heads
 
 
 def _parse_head(h) -> tuple[int, int]:
     if isinstance(h, str):
-        import re
-
         m = re.fullmatch(r"L(\d+)H(\d+)", h.strip())
         if not m:
             raise ValueError(f"heads are named like 'L4H2' (layer 4, head 2), got {h!r}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, RepeatedRandomProbe, UnsupportedModelError, find_transformers_model
-from sinkwatch.capture import capture
+from sinkwatch.capture import HFTarget
 from sinkwatch.collectors import HeadOutputPart, P0Part, ProbeCollector, SinkPart
 from sinkwatch.probes import ProbeSet
 from tiny_models import FAMILIES, VOCAB, build
@@ -23,8 +23,8 @@ def test_outputs_unchanged_under_capture(family, previous):
         L = model.config.num_hidden_layers
         collector = ProbeCollector([SinkPart(L), P0Part(L), HeadOutputPart(L, row=torch.full((3,), 49).numpy())])
         collector.batch = slice(0, 3)
-        with capture(model, collector) as session:
-            probed = session.forward(input_ids=ids, use_cache=False).logits
+        with HFTarget(model).capture(collector) as forward:
+            probed = forward(ids, all_logits=True)
     assert torch.equal(plain, probed)
     assert model.config._attn_implementation == previous
     assert len(collector.parts[0].chunks[L - 1]) == 1  # every layer was seen

@@ -84,6 +84,7 @@ def test_participation_ratio_matches_svd_and_its_range():
     rank1 = np.outer(np.ones(6), np.ones(6))
     assert M.participation_ratio(rank1) == pytest.approx(1.0)
     assert np.isnan(M.participation_ratio(np.zeros((6, 6))))
+    assert np.isnan(M.participation_ratio(np.full((6, 6), np.nan)))  # NaN activations: undefined, no crash
     c = M_ - M_.mean(0)
     lam = np.linalg.eigvalsh(c.T @ c / 40)
     assert M.participation_ratio_classical(M_.T @ M_, M_.sum(0), 40) == pytest.approx(lam.sum() ** 2 / (lam**2).sum(), rel=1e-9)
