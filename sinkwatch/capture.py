@@ -274,13 +274,11 @@ def check_supported(model: nn.Module) -> None:
 
 
 class HFTarget(ProbeTarget):
-    """A transformers causal LM. ``runner`` (optional) is the module whose forward runs the probe,
-    e.g. an FSDP root wrapper that every rank must call; by default the model itself."""
+    """A transformers causal LM."""
 
-    def __init__(self, model: nn.Module, runner: nn.Module | None = None):
+    def __init__(self, model: nn.Module):
         check_supported(model)
         self.model = self.module = model
-        self.runner = runner or model
         self.name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._blocks = decoder_blocks(model)
         import inspect
@@ -313,7 +311,7 @@ class HFTarget(ProbeTarget):
             if not all_logits and self._keeps_logits:
                 kw["logits_to_keep"] = 1
             session.begin()
-            out = self.runner(input_ids=input_ids, **kw)
+            out = self.model(input_ids=input_ids, **kw)
             session.end()
             return out.logits
 
@@ -405,7 +403,7 @@ class CustomTarget(ProbeTarget):
                 h.remove()
 
 
-def resolve_target(obj, runner: nn.Module | None = None) -> ProbeTarget:
+def resolve_target(obj) -> ProbeTarget:
     """A ProbeTarget for ``obj``: itself, ``obj.sinkwatch_target()``, or the transformers model inside it."""
     if isinstance(obj, ProbeTarget):
         return obj
@@ -415,28 +413,35 @@ def resolve_target(obj, runner: nn.Module | None = None) -> ProbeTarget:
         if not isinstance(target, ProbeTarget):
             raise TypeError(f"{type(obj).__name__}.sinkwatch_target() must return a sinkwatch.CustomTarget, got {type(target).__name__}")
         return target
-    return HFTarget(find_transformers_model(obj), runner=runner)
+    return HFTarget(find_transformers_model(obj))
 
 
 # ---- leaving the model as we found it ------------------------------------------------------------------
 @contextlib.contextmanager
-def untouched(model: nn.Module) -> Iterator[None]:
-    """eval + no_grad for the probe, then restore every module's training flag and all RNG states
-    (torch CPU and CUDA, Python's ``random``, numpy's global generator)."""
-    modes = [(m, m.training) for m in model.modules()]
+def preserved_rng() -> Iterator[None]:
+    """Restore every global RNG afterwards: torch CPU and CUDA, Python's ``random``, numpy's."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     py_rng = random.getstate()
     np_rng = np.random.get_state()
     try:
-        model.eval()
-        with torch.no_grad():
-            yield
+        yield
     finally:
-        for m, mode in modes:
-            m.training = mode
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         random.setstate(py_rng)
         np.random.set_state(np_rng)
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """eval + no_grad for the probe, then restore every module's training flag and all RNG states."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad(), preserved_rng():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode

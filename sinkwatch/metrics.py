@@ -64,11 +64,15 @@ def sink_alpha_mean(alpha: np.ndarray) -> np.ndarray:
     return alpha[..., 0].mean(axis=0)
 
 
-def sink_center(alpha: np.ndarray) -> int:
-    """argmax_k of mean alpha_k over (sample, layer, head), k < K."""
+def sink_center(alpha: np.ndarray) -> int | None:
+    """argmax_k of mean alpha_k over (sample, layer, head), k < K; None when every alpha is NaN
+    (non-finite activations)."""
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # k >= S columns are all-NaN
-        return int(np.nanargmax(np.nanmean(alpha, axis=(0, 1, 2))))
+        mean = np.nanmean(alpha, axis=(0, 1, 2))
+        if np.isnan(mean).all():
+            return None
+        return int(np.nanargmax(mean))
 
 
 def multi_sink_positions(profile: np.ndarray, floor: float) -> int:

@@ -94,17 +94,14 @@ class Monitor:
         revision: str | None = None,
         model_name: str | None = None,
         track: bool = True,
-        runner: nn.Module | None = None,
     ) -> Snapshot:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
         ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
-        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. ``runner``: the module
-        whose forward runs the probe when it is not the model itself (an FSDP root wrapper).
-        With ``track`` the monitor's StageTracker consumes the record (``p0_stage``,
+        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's StageTracker consumes the record (``p0_stage``,
         ``induction_state``, declared events in ``snapshot.events``).
         """
-        target = resolve_target(model, runner)
+        target = resolve_target(model)
         sets = self.probe_sets(target.vocab_size)
         for s in sets:
             if target.context is not None and s.seq_len > target.context:

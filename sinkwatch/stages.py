@@ -95,8 +95,8 @@ def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, di
     position 1 is still a sink); the circuit layer is the first block with amplified, direction-
     stable position-0 state.
     """
-    if record.get("sink_rate") is None or record.get("sink_profile") is None:
-        return "none", {"reason": "no sink statistics"}
+    if record.get("sink_rate") is None or record.get("sink_profile") is None or record.get("sink_center") is None:
+        return "none", {"reason": "no (finite) sink statistics"}
     profile = np.nan_to_num(np.asarray(record["sink_profile"], dtype=float), nan=0.0)
     centre = record["sink_center"]
     layer = record.get("circuit_layer")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from .base import Reporter
+
 
 def _fmt(x, spec=".3f") -> str:
     return "n/a" if x is None else format(x, spec)
@@ -50,3 +52,24 @@ def summary(record: Mapping[str, Any]) -> str:
         lines.append(f"  prefix matching : best head {_fmt(best)}, ICL score {_fmt(record.get('icl_score'), '+.3f')} nats")
     lines.append(f"  stages (this probe alone): P0 {record.get('p0_stage_now')}, induction {record.get('induction_state_now')}")
     return "\n".join(lines)
+
+
+class ConsoleReporter(Reporter):
+    """One line per probe and one per event, through ``print`` (or a given callable)."""
+
+    name = "console"
+
+    def __init__(self, write=print):
+        self.write = write
+
+    def log_record(self, record):
+        self.write(one_line(record))
+
+    def log_event(self, event):
+        self.write(f"sinkwatch EVENT [{event['level']}]: {event['message']}")
+
+    def log_error(self, step, message):
+        self.write(f"sinkwatch: probe at step {step} failed: {message}")
+
+    def finish(self):
+        pass

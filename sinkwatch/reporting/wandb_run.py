@@ -1,0 +1,142 @@
+"""Weights & Biases reporter: scalars on a step axis and a tokens axis, heatmaps, the head-class
+table, and alerts on stage transitions. The only module of sinkwatch that imports wandb.
+
+Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
+
+    step, tokens                                   the axes (define_metric)
+    sink_rate, sink_center, sink_positions, circuit_layer, bos_fraction_raw, bos_fraction_bestclass,
+    n_induction_ge30, n_induction_ge50, n_sink_heads, induction_score_max, icl_score,
+    induction_target_top1, p0_stage, induction_state (stage indices), probe_seconds
+    sink_profile/k{k}, sink_rate_per_layer/L{l}, p0_norm_ratio/L{l}, p0_direction_consistency/L{l}
+    by_tokens/<headline>                           the headline scalars again, on the tokens axis
+    heatmap/sink_alpha, heatmap/induction_selectivity, heatmap/induction_score   (images)
+    head_classes                                   (table), events (alerts: run.alert)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..stages import INDUCTION_STATES, P0_STAGES
+from .base import Reporter
+
+HEADLINE = ("sink_rate", "n_induction_ge50", "n_induction_ge30", "induction_score_max", "icl_score", "p0_stage", "induction_state", "circuit_layer")
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The flat scalar view of a record that goes to W&B (absent keys stay absent)."""
+    out: dict[str, float] = {}
+
+    def put(key, value):
+        if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
+            out[f"sinkwatch/{key}"] = value
+
+    for key in ("sink_rate", "sink_center", "sink_positions", "circuit_layer", "bos_fraction_raw", "bos_fraction_bestclass", "n_induction_ge30", "n_induction_ge50", "icl_score", "probe_seconds"):
+        put(key, record.get(key))
+    if record.get("sink_heads_per_layer") is not None:
+        put("n_sink_heads", sum(record["sink_heads_per_layer"]))
+    if record.get("induction_score") is not None:
+        put("induction_score_max", max((v for row in record["induction_score"] for v in row if v is not None), default=None))
+    if isinstance(record.get("induction_target"), dict):
+        put("induction_target_top1", record["induction_target"].get("top1"))
+    for k, v in enumerate(record.get("sink_profile") or []):
+        put(f"sink_profile/k{k}", v)
+    for name in ("sink_rate_per_layer", "p0_norm_ratio", "p0_direction_consistency"):
+        for l, v in enumerate(record.get(name) or []):
+            put(f"{name}/L{l}", v)
+    if record.get("p0_stage") in P0_STAGES:
+        put("p0_stage", P0_STAGES.index(record["p0_stage"]))
+    if record.get("induction_state") in INDUCTION_STATES:
+        put("induction_state", INDUCTION_STATES.index(record["induction_state"]))
+    for key in HEADLINE:
+        if f"sinkwatch/{key}" in out:
+            out[f"sinkwatch/by_tokens/{key}"] = out[f"sinkwatch/{key}"]
+    return out
+
+
+class WandbReporter(Reporter):
+    """Logs to ``run`` (the trainer's own run when there is one), else starts one.
+
+    mode: "offline" (default when starting a run: no account needed), "online", or "auto" (wandb's
+    own default, honouring WANDB_MODE). ``heatmap_every``: images and the table every N probes.
+    """
+
+    name = "wandb"
+
+    def __init__(self, run=None, *, mode: str = "offline", project: str = "sinkwatch", dir: str | None = None, heatmap_every: int = 5, init_kwargs: dict | None = None):
+        import wandb  # ImportError here is reported once by the caller; training goes on
+
+        self.wandb = wandb
+        self._given_run = run
+        self.mode = mode
+        self.project = project
+        self.dir = dir
+        self.heatmap_every = max(1, int(heatmap_every))
+        self.init_kwargs = dict(init_kwargs or {})
+        self._run = None
+        self._owns_run = False
+        self._init_error: str | None = None
+        self._n = 0
+        self.alerts: list[dict] = []  # what was sent, for inspection
+        self.final_summary: dict = {}
+
+    @property
+    def run(self):
+        if self._init_error is not None:  # one failed init is enough: do not stall every probe
+            raise RuntimeError(f"wandb is off for this run after wandb.init failed: {self._init_error}")
+        if self._run is None:
+            run = self._given_run or self.wandb.run
+            if run is None:
+                kw = {"project": self.project, "dir": self.dir, **self.init_kwargs}
+                if self.mode in ("offline", "online", "disabled"):
+                    kw["mode"] = self.mode
+                try:
+                    run = self.wandb.init(**kw)
+                except Exception as exc:
+                    self._init_error = f"{type(exc).__name__}: {exc}"
+                    raise
+                self._owns_run = True
+            run.define_metric("sinkwatch/step")
+            run.define_metric("sinkwatch/tokens")
+            run.define_metric("sinkwatch/*", step_metric="sinkwatch/step")
+            run.define_metric("sinkwatch/by_tokens/*", step_metric="sinkwatch/tokens")
+            self._run = run
+        return self._run
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        run = self.run
+        data = scalars(record)
+        data["sinkwatch/step"] = record.get("step") or 0
+        if record.get("tokens") is not None:
+            data["sinkwatch/tokens"] = record["tokens"]
+        if self._n % self.heatmap_every == 0:
+            data.update(self._media(record))
+        self._n += 1
+        run.log(data)
+
+    def _media(self, record) -> dict:
+        from .figures import close, head_class_rows, record_heatmaps
+
+        figs = record_heatmaps(record)
+        media = {f"sinkwatch/heatmap/{k}": self.wandb.Image(f) for k, f in figs.items()}
+        close(figs)
+        rows = head_class_rows(record)
+        if rows:
+            cols = ["layer", "head", "best_class", "first", "induction", "previous", "duplicate", "self", "local"]
+            media["sinkwatch/head_classes"] = self.wandb.Table(columns=cols, data=rows)
+        return media
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        level = getattr(self.wandb.AlertLevel, event.get("level", "INFO"), self.wandb.AlertLevel.INFO)
+        title = f"sinkwatch: {event['timeline']} {event['previous']} -> {event['stage']}"
+        self.run.alert(title=title, text=event["message"] + f"\nevidence: {event.get('evidence')}", level=level, wait_duration=0)
+        self.alerts.append({"title": title, "level": event.get("level")})
+        self.run.summary[f"sinkwatch/event/{event['timeline']}"] = event["stage"]
+        self.run.summary["sinkwatch/alerts"] = len(self.alerts)
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self.final_summary = dict(self._run.summary)  # what reached the run, readable after finish
+            if self._owns_run:
+                self._run.finish()

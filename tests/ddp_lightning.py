@@ -1,0 +1,48 @@
+"""Two-process DDP (gloo, CPU) fit with SinkWatchCallback; run by tests/test_distributed.py.
+
+    python tests/ddp_lightning.py OUT_DIR
+
+Lightning's "ddp" strategy relaunches this script for rank 1. Rank 0 saves the final weights to
+OUT_DIR/final so the test can probe them in a single process and compare.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+import planted  # noqa: E402
+from sinkwatch import InductionProbe, RepeatedRandomProbe  # noqa: E402
+from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
+from train_helpers import LitLM  # noqa: E402
+
+PROBES = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
+
+
+class SlowLit(LitLM):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    lit = SlowLit(planted.p0_final())
+    data = torch.utils.data.DataLoader([{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (256, 32), generator=torch.Generator().manual_seed(0))], batch_size=4)
+    cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=10, callbacks=[cb], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )
+    trainer.fit(lit, data)
+    if trainer.is_global_zero:
+        lit.model.save_pretrained(os.path.join(out, "final"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
