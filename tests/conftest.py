@@ -1,5 +1,11 @@
 import os
 
+import torch
+
+# Triton decides interpreter-or-compiler when triton.language is first imported (transformers and
+# accelerate may import it early), so on a machine without CUDA the switch must come first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -7,7 +13,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-import torch
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -15,7 +15,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # conftest sets it before anything imports triton; this is for direct runs
 
 triton = pytest.importorskip("triton")
 
