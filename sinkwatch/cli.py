@@ -67,6 +67,57 @@ def cmd_probe(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from .monitor import MonitorConfig
+    from .replay import Recipe, is_recipe, load_recipe, parse_shard, replay
+
+    if is_recipe(args.target):
+        recipe = load_recipe(args.target)
+    else:
+        recipe = Recipe(model=args.target, name=args.target.split("/")[-1])
+    probes = None
+    if args.probe_given or args.n is not None or args.seq_len is not None or args.vocab_range:
+        probes = probe_recipes(args, recipe.model)
+    revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
+    out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
+    rows = replay(
+        recipe,
+        revisions=revisions,
+        log_spaced=args.log_spaced,
+        out_dir=out,
+        probes=probes,
+        dtype=args.dtype_given and args.dtype or None,
+        device=args.device,
+        shard=parse_shard(args.shard) if args.shard else None,
+        cache_dir=args.cache_dir,
+        tokens_per_step=args.tokens_per_step,
+        monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens_given else None,
+        wandb=args.wandb,
+        progress=not args.no_progress,
+    )
+    ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
+    failed = [r for r in rows if r.get("status") == "failed"]
+    print(f"replayed {ok} revision(s) into {out}" + (f"; {len(failed)} failed (recorded; rerun to retry): " + ", ".join(r["revision"] for r in failed) if failed else ""))
+    print(f"next: sinkwatch report {out}")
+    return 0 if not failed else 1
+
+
+def cmd_report(args) -> int:
+    from .report import build_report
+
+    path = build_report(args.stores, args.out)
+    print(f"report written to {path}")
+    return 0
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the option was given explicitly (recipe defaults otherwise)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sinkwatch", description="Watch attention sinks and induction heads form in a language model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_arguments(p)
     p.add_argument("--out", default=None, help="write the record (JSON) here")
     p.set_defaults(func=cmd_probe)
+
+    r = sub.add_parser("replay", help="probe the training revisions of a published model (a recipe or a hub id)")
+    r.add_argument("target", help="a recipe (pythia-1b, olmo-1b-0724, olmoe-1b-7b-0924, or a .yaml path) or a hub model id")
+    sel = r.add_mutually_exclusive_group()
+    sel.add_argument("--revisions", default=None, help="comma-separated revisions (default: the recipe's, or all branches)")
+    sel.add_argument("--log-spaced", type=int, default=None, help="replay ~N log-spaced revisions of those listed by the hub")
+    r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
+    add_probe_arguments(r)
+    r.add_argument("--shard", default=None, help="K/N: take every N-th revision starting at K (default: RANK/WORLD_SIZE under torchrun)")
+    r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
+    r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
+    r.add_argument("--wandb", choices=("offline", "online", "disabled"), default="offline", help="log the replay to W&B on a tokens axis (default offline)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for a in r._actions:
+        if a.dest in ("probe", "dtype", "batch_tokens"):
+            a.__class__ = _Given  # recipe values win unless these are given
+    r.set_defaults(func=cmd_replay, probe_given=False, dtype_given=False, batch_tokens_given=False)
+
+    rep = sub.add_parser("report", help="write a markdown + PNG report from one or more stores")
+    rep.add_argument("stores", nargs="+", help="replay stores or live-run directories (with records.jsonl)")
+    rep.add_argument("--out", default=None, help="report directory (default: FIRST_STORE/report)")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 
@@ -85,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"sinkwatch {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,10 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
 def _is_network_error(exc: BaseException) -> bool:
     names = {type(e).__name__ for e in _chain(exc)}
     hints = ("ConnectionError", "ConnectError", "LocalEntryNotFoundError", "OfflineModeIsEnabled", "Timeout", "MaxRetryError", "NameResolutionError")
@@ -54,6 +58,11 @@ def load_model(name_or_path: str, *, revision: str | None = None, dtype: str = "
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised with advice
         if os.path.isdir(name_or_path):
             raise
+        if hub_offline():
+            raise FileNotFoundError(
+                f"{name_or_path}" + (f" at revision {revision}" if revision else "") + " is not in the local Hugging Face cache "
+                f"(HF_HUB_OFFLINE=1{', cache ' + cache_dir if cache_dir else ''}): {type(exc).__name__}"
+            ) from exc
         if _is_network_error(exc):
             raise HubUnreachableError(
                 f"cannot reach the Hugging Face hub to load {name_or_path}"

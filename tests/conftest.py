@@ -45,3 +45,13 @@ class _TrainedModels:
 @pytest.fixture(scope="session")
 def trained_models():
     return _TrainedModels()
+
+
+@pytest.fixture(scope="session")
+def trajectory_run(tmp_path_factory):
+    """One real training run to induction formation: per-step records and saved checkpoints."""
+    from trajectory import SAVE_STEPS, train_with_probes
+
+    ckpt = tmp_path_factory.mktemp("trajectory")
+    records = train_with_probes(save_dir=ckpt, save_steps=SAVE_STEPS)
+    return records, {f"step{s}": ckpt / f"step{s}" for s in SAVE_STEPS}

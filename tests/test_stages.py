@@ -74,10 +74,8 @@ def test_planted_transition_fires_once_through_the_tracker():
 
 # ---- a real trajectory ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trajectory():
-    from trajectory import train_with_probes
-
-    return train_with_probes()
+def trajectory(trajectory_run):
+    return trajectory_run[0]
 
 
 def first_step(records, rule, state="formed"):

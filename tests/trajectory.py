@@ -14,6 +14,10 @@ from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
 from tiny_models import VOCAB, build
 
 
+TOKENS_PER_STEP = 16 * 128
+SAVE_STEPS = (0, 100, 300, 600, 900, 1300)
+
+
 def periodic_batch(rng: np.random.RandomState, batch: int, seq_len: int) -> torch.Tensor:
     x = np.empty((batch, seq_len), dtype=np.int64)
     for b in range(batch):
@@ -22,8 +26,9 @@ def periodic_batch(rng: np.random.RandomState, batch: int, seq_len: int) -> torc
     return torch.from_numpy(x)
 
 
-def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100, seed: int = 0, lr: float = 3e-3) -> list[dict]:
-    """Records (SPEC §10, untracked) at steps 0, every, 2*every, ..., steps."""
+def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100, seed: int = 0, lr: float = 3e-3, save_dir=None, save_steps=()) -> list[dict]:
+    """Records (SPEC §10, untracked) at steps 0, every, 2*every, ..., steps; with ``save_dir``,
+    ``save_pretrained`` checkpoints at ``save_steps`` (save_dir/step{N})."""
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
     model = build(family, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
@@ -32,7 +37,9 @@ def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100
     records = []
     for step in range(steps + 1):
         if step % every == 0:
-            records.append(monitor.probe(model, step=step, tokens=step * 16 * 128, track=False).to_record())
+            records.append(monitor.probe(model, step=step, tokens=step * TOKENS_PER_STEP, track=False).to_record())
+        if save_dir is not None and step in save_steps:
+            model.save_pretrained(f"{save_dir}/step{step}")
         if step == steps:
             break
         model.train()
@@ -42,3 +49,22 @@ def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100
         loss.backward()
         opt.step()
     return records
+
+
+def hf_cache_from_checkpoints(checkpoints: dict, cache_dir, repo: str = "sinkwatch-test/tiny-llama") -> str:
+    """A Hugging Face hub cache holding ``checkpoints`` (revision -> save_pretrained dir) as revisions.
+
+    Layout as the hub client writes it: models--org--name/refs/<rev> holds a commit id and
+    snapshots/<commit>/ holds the files, so from_pretrained(repo, revision=rev) resolves it offline.
+    """
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    root = Path(cache_dir) / ("models--" + repo.replace("/", "--"))
+    for rev, src in checkpoints.items():
+        commit = hashlib.sha1(rev.encode()).hexdigest()
+        (root / "refs").mkdir(parents=True, exist_ok=True)
+        (root / "refs" / rev).write_text(commit)
+        shutil.copytree(src, root / "snapshots" / commit, dirs_exist_ok=True)
+    return repo

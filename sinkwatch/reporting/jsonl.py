@@ -35,8 +35,14 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:
 
 
 def append_jsonl(path: Path, obj: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(obj, allow_nan=False) + "\n")
+    """Append one whole line; after a torn last line (a crash mid-write) start a fresh line first."""
+    line = json.dumps(obj, allow_nan=False) + "\n"
+    with path.open("ab+") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = "\n" + line
+        f.write(line.encode())
         f.flush()
 
 

@@ -1,0 +1,107 @@
+"""Time and memory of replaying one revision with the paper's probe (2000 x 256, induction), on CPU.
+
+Two measurements, each in its own process, on random GPT-NeoX models (weights do not change cost):
+
+  time    a Pythia-160m-shaped model (12 x 768) with ``--n-time`` sequences of the paper's probe:
+          seconds per sequence, extrapolated to 2000 sequences and, by forward FLOPs per token,
+          to Pythia-1B (16 x 2048).
+  memory  a Pythia-1B-shaped model in float32 (16 layers, d=2048, 8 heads, vocab 50304) probed
+          with ``--n-memory`` sequences at the default batch_tokens=16384 (64 sequences per forward,
+          the largest activation footprint a replay ever has): peak RSS of the whole process,
+          model included, plus the arrays that grow with n, extrapolated to n=2000.
+
+Usage: python benchmarks/bench_replay.py [--n-time 64] [--n-memory 64] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "pythia-160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "pythia-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192),
+}
+
+
+def _status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(field)
+
+
+def flops_per_token(shape: dict, seq: int = 256) -> float:
+    """Forward FLOPs per token: 2 x non-embedding params + attention scores/values + stats kernel."""
+    d, L, ff = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    params = L * (4 * d * d + 2 * d * ff)
+    return 2 * params + L * 3 * 2 * seq * d  # QK^T, PV, and the statistics' QK^T
+
+
+def worker(shape_name: str, n: int, threads: int) -> dict:
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import sinkwatch as sw
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, bos_token_id=0, eos_token_id=0, **SHAPES[shape_name])
+    model = GPTNeoXForCausalLM(cfg).eval()
+    monitor = sw.Monitor([sw.InductionProbe(n=n, seq_len=256)])  # the paper's probe, first n sequences
+    monitor.probe_sets(50304)
+    loaded = _status("VmRSS")
+    t0 = time.perf_counter()
+    snap = monitor.probe(model, track=False)
+    seconds = time.perf_counter() - t0
+    assert snap["n_induction_ge30"] >= 0
+    return {"shape": shape_name, "n": n, "seconds": seconds, "rss_loaded_mib": loaded, "peak_rss_mib": _status("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-time", type=int, default=64)
+    ap.add_argument("--n-memory", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--csv", default="benchmarks/results/bench_replay.csv")
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.threads)))
+        return
+
+    def run(shape, n):
+        res = subprocess.run([sys.executable, __file__, "--worker", shape, str(n), "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    small = run("pythia-160m", args.n_time)
+    per_seq = small["seconds"] / small["n"]
+    t_small = per_seq * 2000
+    t_1b = t_small * flops_per_token(SHAPES["pythia-1b"]) / flops_per_token(SHAPES["pythia-160m"])
+    big = run("pythia-1b", args.n_memory)
+    # arrays that grow with n (float32): P0 vectors (n, L, d), per-sequence ratios, gathered columns
+    L, d = 16, 2048
+    growth = lambda n: n * (L * d + L + L * 8 * 64 + L * 8 * 8) * 4 / 2**20  # noqa: E731
+    peak_2000 = big["peak_rss_mib"] + growth(2000) - growth(big["n"])
+    print(f"\ntime   Pythia-160m shape, {small['n']} sequences: {small['seconds']:.1f} s = {per_seq:.2f} s/sequence, {args.threads} threads")
+    print(f"       -> 2000 sequences: {t_small / 60:.1f} min per revision at 160m; x{flops_per_token(SHAPES['pythia-1b']) / flops_per_token(SHAPES['pythia-160m']):.1f} FLOPs/token -> ~{t_1b / 3600:.1f} h per Pythia-1B revision on this CPU")
+    print(f"memory Pythia-1B shape, float32 ({big['params'] / 1e9:.2f}B params), {big['n']} sequences: loaded {big['rss_loaded_mib'] / 1024:.1f} GiB, peak {big['peak_rss_mib'] / 1024:.1f} GiB")
+    print(f"       -> 2000 sequences: peak ~{peak_2000 / 1024:.1f} GiB (limit 24 GiB)")
+    out = Path(args.csv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["measure", "shape", "n", "seconds", "peak_rss_mib", "extrapolated"])
+        w.writerow(["time", "pythia-160m", small["n"], small["seconds"], small["peak_rss_mib"], f"{t_small:.0f}s@2000 (160m), {t_1b:.0f}s@2000 (1b)"])
+        w.writerow(["memory", "pythia-1b", big["n"], big["seconds"], big["peak_rss_mib"], f"{peak_2000:.0f}MiB@2000"])
+    print(f"CSV: {out}")
+
+
+if __name__ == "__main__":
+    main()
