@@ -102,6 +102,19 @@ def cmd_replay(args) -> int:
     return 0 if not failed else 1
 
 
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    print(f"sinkwatch demo: pretraining a byte-level Llama (3 blocks, d=128) on the Python standard library's source for {args.steps} steps on {args.device}; probing every {args.every} steps")
+    res = run_demo(steps=args.steps, out=args.out, seed=args.seed, wandb=args.wandb, device=args.device, every=args.every)
+    print(f"\ndone in {res['seconds']:.0f} s: P0 stage {res['p0_stage']}, induction {res['induction_state']}")
+    for e in res["events"]:
+        print(f"  event: {e['message']}")
+    print(f"records: {res['records']}")
+    print(f"report:  {res['report']}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report import build_report
 
@@ -145,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
         if a.dest in ("probe", "dtype", "batch_tokens"):
             a.__class__ = _Given  # recipe values win unless these are given
     r.set_defaults(func=cmd_replay, probe_given=False, dtype_given=False, batch_tokens_given=False)
+
+    d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
+    d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    d.add_argument("--out", default="sinkwatch-demo", help="output directory (records, events, report)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--wandb", choices=("offline", "online", "disabled"), default="offline")
+    d.add_argument("--device", default="cpu", help="cpu or cuda")
+    d.add_argument("--every", type=int, default=100, help="probe every N steps (default 100)")
+    d.set_defaults(func=cmd_demo)
 
     rep = sub.add_parser("report", help="write a markdown + PNG report from one or more stores")
     rep.add_argument("stores", nargs="+", help="replay stores or live-run directories (with records.jsonl)")

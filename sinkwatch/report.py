@@ -253,7 +253,7 @@ def _findings_section(s: Store, reference: dict) -> list[str]:
         lines += ["| finding | value |", "|---|---|"]
         for key in ("sink_fraction_ge_10pct", "sink_fraction_ge_50pct", "induction_formed", "induction_to_sink_gap", "final_sink_fraction", "l0_l1_floor", "recall_67pct"):
             lines.append(f"| {key} | {_fmt(ours.get(key))} |")
-    if ours["recall"]:
+    if ours["recall"] and any(r is not None for r in ours["recall"]):
         lines += ["", "Recall of the final >= 50x induction set per revision: " + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(F.trajectory_from_records(s.records).revisions, ours["recall"]))]
     if ours["pr_lead"]:
         lines += ["", "PR rising before induction selectivity crosses 50x (per head of the final set):", "", "| head | PR >= 1.5x first | selectivity >= 50x | lead |", "|---|---|---|---|"]

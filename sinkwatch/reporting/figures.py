@@ -21,7 +21,7 @@ def heatmap(matrix, title: str, *, cbar: str = "", log: bool = False, vmax: floa
     plt = _plt()
     m = np.array([[np.nan if v is None else v for v in row] for row in matrix], dtype=float)
     L, H = m.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 0.35 * H, 1.0 + 0.3 * L), dpi=100)
+    fig, ax = plt.subplots(figsize=(max(3.4, 1.4 + 0.35 * H), max(2.6, 1.0 + 0.3 * L)), dpi=100)
     data = np.log10(np.clip(m, 1e-3, None)) if log else m
     im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0 if not log else None, vmax=vmax)
     ax.set_xlabel("head")
