@@ -14,7 +14,6 @@ Usage: python benchmarks/bench_attention_stats.py [--seq 512 1024 ...] [--dims 6
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_csv  # noqa: E402
 from kernel_cases import assert_close_to_reference, make_inputs  # noqa: E402
 
 from sinkwatch import attention_stats  # noqa: E402
@@ -140,13 +141,7 @@ def main() -> None:
                 f"{r['D']:>3} {r['S']:>5} | {r['triton_ms']:9.3f} {r['sdpa_flash_ms']:8.3f} {r['eager_weights_ms']:9.3f} {r['torch_path_ms']:9.3f} | "
                 f"{r['eager_over_triton_time']:12.1f} {r['triton_over_sdpa_time']:12.2f} | {r['triton_mib']:10.1f} {r['eager_weights_mib']:10.1f}"
             )
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"CSV: {out}")
+    print(f"CSV: {write_csv(rows, args.csv)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Usage: python benchmarks/bench_callback_overhead.py [--steps 1000] [--repeat 2] 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -18,6 +17,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_csv  # noqa: E402
 
 
 def worker(with_callback: bool, steps: int, threads: int) -> dict:
@@ -82,13 +84,8 @@ def main() -> None:
     probes = max(r["probes"] for r in runs)
     print(f"\n{args.steps} steps, batch 16 x 128, 4-block Llama d=128, {args.threads} threads")
     print(f"without callback: {off:.1f} s   with callback (defaults, {probes} probes): {on:.1f} s   overhead: {100 * (on / off - 1):+.1f}%")
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["steps", "without_s", "with_s", "probes", "overhead_pct"])
-        w.writeheader()
-        w.writerow({"steps": args.steps, "without_s": off, "with_s": on, "probes": probes, "overhead_pct": 100 * (on / off - 1)})
-    print(f"CSV: {out}")
+    row = {"steps": args.steps, "without_s": off, "with_s": on, "probes": probes, "overhead_pct": 100 * (on / off - 1)}
+    print(f"CSV: {write_csv([row], args.csv)}")
 
 
 if __name__ == "__main__":

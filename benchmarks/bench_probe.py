@@ -15,7 +15,6 @@ Usage: python benchmarks/bench_probe.py [--seq 512 1024 2048] [--batch 1] [--csv
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -24,20 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import proc_status_mib, reset_peak_rss, write_csv  # noqa: E402
+
 MODES = ("plain", "hidden", "probe", "eager")
-
-
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024.0  # MiB
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def pythia_160m_shaped(seq: int):
@@ -78,12 +67,12 @@ def worker(mode: str, seq: int, batch: int, repeat: int, threads: int) -> dict:
             return monitor.probe(model, track=False)
 
     gc.collect()
-    base = _status("VmRSS")
-    _reset_peak()
+    base = proc_status_mib("VmRSS")
+    reset_peak_rss()
     t0 = time.perf_counter()
     out = run()
     first = time.perf_counter() - t0
-    peak = _status("VmHWM") - base
+    peak = proc_status_mib("VmHWM") - base
     del out
     gc.collect()
     times = [first]
@@ -137,13 +126,7 @@ def main() -> None:
             f"{seq:>5} | {line['plain_s']:8.3f} {line['probe_s']:8.3f} {line['eager_s']:8.3f} | {line['plain_mib']:9.0f} {line['hidden_mib']:10.0f} {line['probe_mib']:9.0f} {line['eager_mib']:9.0f} | "
             f"{line['probe_over_plain_time']:13.2f} {line['probe_over_plain_mem']:15.2f} {line['probe_over_hidden_mem']:16.2f} {line['eager_over_probe_mem']:15.1f}"
         )
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
-    print(f"\nCSV: {out}")
+    print(f"\nCSV: {write_csv(table, args.csv)}")
 
 
 if __name__ == "__main__":

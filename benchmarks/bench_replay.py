@@ -16,25 +16,19 @@ Usage: python benchmarks/bench_replay.py [--n-time 64] [--n-memory 64] [--csv ou
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import proc_status_mib, write_csv  # noqa: E402
+
 SHAPES = {
     "pythia-160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "pythia-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192),
 }
-
-
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(field)
 
 
 def flops_per_token(shape: dict, seq: int = 256) -> float:
@@ -56,12 +50,12 @@ def worker(shape_name: str, n: int, threads: int) -> dict:
     model = GPTNeoXForCausalLM(cfg).eval()
     monitor = sw.Monitor([sw.InductionProbe(n=n, seq_len=256)])  # the paper's probe, first n sequences
     monitor.probe_sets(50304)
-    loaded = _status("VmRSS")
+    loaded = proc_status_mib("VmRSS")
     t0 = time.perf_counter()
     snap = monitor.probe(model, track=False)
     seconds = time.perf_counter() - t0
     assert snap["n_induction_ge30"] >= 0
-    return {"shape": shape_name, "n": n, "seconds": seconds, "rss_loaded_mib": loaded, "peak_rss_mib": _status("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
+    return {"shape": shape_name, "n": n, "seconds": seconds, "rss_loaded_mib": loaded, "peak_rss_mib": proc_status_mib("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
 
 
 def main() -> None:
@@ -93,14 +87,11 @@ def main() -> None:
     print(f"       -> 2000 sequences: {t_small / 60:.1f} min per revision at 160m; x{flops_per_token(SHAPES['pythia-1b']) / flops_per_token(SHAPES['pythia-160m']):.1f} FLOPs/token -> ~{t_1b / 3600:.1f} h per Pythia-1B revision on this CPU")
     print(f"memory Pythia-1B shape, float32 ({big['params'] / 1e9:.2f}B params), {big['n']} sequences: loaded {big['rss_loaded_mib'] / 1024:.1f} GiB, peak {big['peak_rss_mib'] / 1024:.1f} GiB")
     print(f"       -> 2000 sequences: peak ~{peak_2000 / 1024:.1f} GiB (limit 24 GiB)")
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["measure", "shape", "n", "seconds", "peak_rss_mib", "extrapolated"])
-        w.writerow(["time", "pythia-160m", small["n"], small["seconds"], small["peak_rss_mib"], f"{t_small:.0f}s@2000 (160m), {t_1b:.0f}s@2000 (1b)"])
-        w.writerow(["memory", "pythia-1b", big["n"], big["seconds"], big["peak_rss_mib"], f"{peak_2000:.0f}MiB@2000"])
-    print(f"CSV: {out}")
+    rows = [
+        {"measure": "time", "shape": "pythia-160m", "n": small["n"], "seconds": small["seconds"], "peak_rss_mib": small["peak_rss_mib"], "extrapolated": f"{t_small:.0f}s@2000 (160m), {t_1b:.0f}s@2000 (1b)"},
+        {"measure": "memory", "shape": "pythia-1b", "n": big["n"], "seconds": big["seconds"], "peak_rss_mib": big["peak_rss_mib"], "extrapolated": f"{peak_2000:.0f}MiB@2000"},
+    ]
+    print(f"CSV: {write_csv(rows, args.csv)}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ real sizes by flag:
 
 import argparse
 
-import numpy as np
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Trainer, TrainingArguments
 
 from sinkwatch import InductionProbe, RepeatedRandomProbe  # (1) import
-from sinkwatch.demo import DemoWindows, stdlib_bytes
+from sinkwatch.demo import DemoWindows, add_pretrain_arguments, pretrain_corpus
 from sinkwatch.hf import SinkWatchTrainerCallback
 
 
@@ -26,30 +25,13 @@ class Windows(DemoWindows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--text", default=None, help="a UTF-8 text file (default: the standard library's source, byte-level)")
-    ap.add_argument("--tokenizer", default="EleutherAI/pythia-160m", help="with --text")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    add_pretrain_arguments(ap)
     ap.add_argument("--out", default="runs/hf_trainer_pretrain")
-    ap.add_argument("--wandb", default="offline", choices=("offline", "online", "disabled"))
     args = ap.parse_args()
 
-    if args.text is None:
-        corpus, vocab = stdlib_bytes(), 256
-    else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        corpus = np.asarray(tok(open(args.text, encoding="utf-8").read(), add_special_tokens=False)["input_ids"], dtype=np.int64)
-        vocab = len(tok)
+    corpus, vocab, vocab_range = pretrain_corpus(args.text, args.tokenizer)
     cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0)
-    vocab_range = (32, 127) if args.text is None else None
     watch = SinkWatchTrainerCallback(  # (2) the callback, with probes fitted to the data
         every_n_steps=max(1, args.steps // 20), out_dir=args.out, wandb=args.wandb,
         probes=[InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range), RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range)],

@@ -11,12 +11,11 @@ source); real sizes by flag:
 import argparse
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sinkwatch import InductionProbe, RepeatedRandomProbe  # (1) import
-from sinkwatch.demo import DemoWindows, stdlib_bytes
+from sinkwatch.demo import DemoWindows, add_pretrain_arguments, pretrain_corpus
 from sinkwatch.lightning import SinkWatchCallback
 
 
@@ -34,40 +33,20 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, betas=(0.9, 0.95))
 
 
-def corpus_and_vocab(args):
-    if args.text is None:
-        return stdlib_bytes(), 256
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    ids = tok(open(args.text, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
-    return np.asarray(ids, dtype=np.int64), len(tok)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--text", default=None, help="a UTF-8 text file (default: the standard library's source, byte-level)")
-    ap.add_argument("--tokenizer", default="EleutherAI/pythia-160m", help="with --text")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    add_pretrain_arguments(ap)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="runs/lightning_pretrain")
-    ap.add_argument("--wandb", default="offline", choices=("offline", "online", "disabled"))
     args = ap.parse_args()
 
-    corpus, vocab = corpus_and_vocab(args)
+    corpus, vocab, vocab_range = pretrain_corpus(args.text, args.tokenizer)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0)
     model = LlamaForCausalLM(cfg)
     data = torch.utils.data.DataLoader(DemoWindows(corpus, args.steps * args.batch_size, seq_len=args.seq_len, periodic=0.5 if args.text is None else 0.0), batch_size=args.batch_size)
 
     # (2) probes fitted to the data: byte-level text lives in printable ASCII; tokenizer vocabularies use the paper's range
-    vocab_range = (32, 127) if args.text is None else None
     probes = [InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range), RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range)]
     watch = SinkWatchCallback(every_n_steps=max(1, args.steps // 20), out_dir=args.out, probes=probes, wandb=args.wandb)  # (3) the callback
 

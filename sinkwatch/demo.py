@@ -58,6 +58,32 @@ class DemoWindows(torch.utils.data.Dataset):
         return torch.from_numpy(w)
 
 
+def add_pretrain_arguments(ap) -> None:
+    """Flags shared by the pretraining recipes (recipes/*.py): tiny CPU defaults, real sizes by flag."""
+    ap.add_argument("--text", default=None, help="a UTF-8 text file (default: the standard library's source, byte-level)")
+    ap.add_argument("--tokenizer", default="EleutherAI/pythia-160m", help="with --text")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=DEMO_CONTEXT)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--wandb", default="offline", choices=("offline", "online", "disabled"))
+
+
+def pretrain_corpus(text: str | None, tokenizer: str) -> tuple[np.ndarray, int, tuple[int, int] | None]:
+    """(token ids, vocabulary size, probe id range): the standard library's bytes (printable-ASCII
+    probes) by default, else ``text`` through ``tokenizer`` (the paper's probe range)."""
+    if text is None:
+        return stdlib_bytes(), 256, PRINTABLE
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    ids = tok(Path(text).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int64), len(tok), None
+
+
 def build_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,7 +117,7 @@ def run_demo(*, steps: int = 2000, out: str = "sinkwatch-demo", seed: int = 0, w
     pl.seed_everything(seed, verbose=False)
     corpus = stdlib_bytes()
     model = build_model(seed)
-    model.name_or_path = "sinkwatch-demo (byte-level Llama, 3 x 128)"
+    model.config._name_or_path = "sinkwatch-demo (byte-level Llama, 3 x 128)"  # the name records carry
 
     class DemoLM(pl.LightningModule):
         def __init__(self):

@@ -49,6 +49,28 @@ def _softcap(s, softcap):
     return softcap * tl.where(s < 0, -t, t)
 
 
+@triton.jit
+def _tile_scores(q, k_base, offs_n, offs_d, d_ok, pos, sk_s, sk_d, n_keys, scaling, softcap, window,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_F32: tl.constexpr):  # fmt: skip
+    """Scaled (soft-capped) logits of the row block against keys ``offs_n`` and their causal/window mask.
+
+    q (BLOCK_M, BLOCK_D); keys at or beyond ``n_keys`` read as zero and are masked. Returns
+    s (BLOCK_M, len(offs_n)) float32 and valid (same shape, bool).
+    """
+    k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_n[:, None] < n_keys) & d_ok[None, :], other=0.0)
+    if CAST_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scaling
+    if HAS_SOFTCAP:
+        s = _softcap(s, softcap)
+    valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < n_keys)
+    if HAS_WINDOW:
+        valid = valid & ((pos[:, None] - offs_n[None, :]) < window)
+    return s, valid
+
+
 @triton.autotune(configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"])
 @triton.jit
 def _attention_stats_kernel(
@@ -97,18 +119,7 @@ def _attention_stats_kernel(
         lo = tl.maximum(lo_pos, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_n[:, None] < SEQ) & d_ok[None, :], other=0.0)
-        if CAST_F32:
-            k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scaling
-        if HAS_SOFTCAP:
-            s = _softcap(s, softcap)
-        valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < SEQ)
-        if HAS_WINDOW:
-            valid = valid & ((pos[:, None] - offs_n[None, :]) < window)
+        s, valid = _tile_scores(q, k_base, offs_n, offs_d, d_ok, pos, sk_s, sk_d, SEQ, scaling, softcap, window, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
         s = tl.where(valid, s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -127,18 +138,7 @@ def _attention_stats_kernel(
     # probabilities on keys 0 .. N_FIRST-1
     if BLOCK_F > 0:
         offs_f = tl.arange(0, BLOCK_F)
-        kf = tl.load(k_base + offs_f[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_f[:, None] < SEQ) & (offs_f[:, None] < N_FIRST) & d_ok[None, :], other=0.0)
-        if CAST_F32:
-            kf = kf.to(tl.float32)
-            sf = tl.dot(q, tl.trans(kf), input_precision="ieee")
-        else:
-            sf = tl.dot(q, tl.trans(kf))
-        sf = sf * scaling
-        if HAS_SOFTCAP:
-            sf = _softcap(sf, softcap)
-        ok = (offs_f[None, :] <= pos[:, None]) & (offs_f[None, :] < SEQ)
-        if HAS_WINDOW:
-            ok = ok & ((pos[:, None] - offs_f[None, :]) < window)
+        sf, ok = _tile_scores(q, k_base, offs_f, offs_d, d_ok, pos, sk_s, sk_d, tl.minimum(SEQ, N_FIRST), scaling, softcap, window, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
         pf = tl.exp(tl.where(ok, sf - lse[:, None], _NEG))  # masked keys: exp(-1e30) = 0, no overflow
         tl.store(first_ptr + out_row[:, None] * N_FIRST + offs_f[None, :], pf, mask=q_ok[:, None] & (offs_f[None, :] < N_FIRST))
 
