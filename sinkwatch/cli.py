@@ -36,7 +36,7 @@ def probe_recipes(args, tokenizer_source: str | None):
 
     recipes = []
     vr = tuple(args.vocab_range) if args.vocab_range else None
-    for kind in args.probe:
+    for kind in args.probe or ["induction"]:
         kw = {k: v for k, v in (("n", args.n), ("seq_len", args.seq_len)) if v is not None}
         if kind == "induction":
             recipes.append(InductionProbe(vocab_range=vr, **kw))
@@ -75,8 +75,10 @@ def cmd_replay(args) -> int:
         recipe = load_recipe(args.target)
     else:
         recipe = Recipe(model=args.target, name=args.target.split("/")[-1])
-    probes = None
-    if args.probe_given or args.n is not None or args.seq_len is not None or args.vocab_range:
+    probes = None  # the recipe's probes unless any probe option is given
+    if args.probe or args.n is not None or args.seq_len is not None or args.vocab_range:
+        if not args.probe:
+            args.probe = list(recipe.probes)
         probes = probe_recipes(args, recipe.model)
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
     out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
@@ -86,12 +88,12 @@ def cmd_replay(args) -> int:
         log_spaced=args.log_spaced,
         out_dir=out,
         probes=probes,
-        dtype=args.dtype_given and args.dtype or None,
+        dtype=args.dtype,
         device=args.device,
         shard=parse_shard(args.shard) if args.shard else None,
         cache_dir=args.cache_dir,
         tokens_per_step=args.tokens_per_step,
-        monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens_given else None,
+        monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens is not None else None,
         wandb=args.wandb,
         progress=not args.no_progress,
     )
@@ -123,14 +125,6 @@ def cmd_report(args) -> int:
     return 0
 
 
-class _Given(argparse.Action):
-    """Stores the value and notes that the option was given explicitly (recipe defaults otherwise)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, f"{self.dest}_given", True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sinkwatch", description="Watch attention sinks and induction heads form in a language model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,10 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
     r.add_argument("--wandb", choices=("offline", "online", "disabled"), default="offline", help="log the replay to W&B on a tokens axis (default offline)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for a in r._actions:
-        if a.dest in ("probe", "dtype", "batch_tokens"):
-            a.__class__ = _Given  # recipe values win unless these are given
-    r.set_defaults(func=cmd_replay, probe_given=False, dtype_given=False, batch_tokens_given=False)
+    r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
     d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")

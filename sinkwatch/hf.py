@@ -59,6 +59,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.config = LiveConfig.from_kwargs(kwargs)
         self.live = LiveMonitor(self.config)
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
+        self._tokens_per_step: int | None = None  # estimated from the dataset at train begin
         if not restored:
             _latest = weakref.ref(self)
 
@@ -95,8 +96,6 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.live.tokens_seen = self._tokens(state)
         self.live.train_end(state.global_step)
         self.live.finish()
-
-    _tokens_per_step: int | None = None
 
     def _tokens(self, state) -> int:
         seen = getattr(state, "num_input_tokens_seen", 0) or 0

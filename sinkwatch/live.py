@@ -20,7 +20,7 @@ import torch
 
 from .capture import ProbeTarget, preserved_rng, resolve_target
 from .monitor import Monitor, MonitorConfig
-from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, NaturalProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
+from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
 from .reporting.console import ConsoleReporter
 from .reporting.jsonl import JSONLReporter

@@ -1,6 +1,5 @@
 """Capture through AttentionInterface: outputs unchanged, the model left exactly as found, clear errors."""
 
-import copy
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """`sinkwatch demo` with a reduced step count: records, events and a report that agree."""
 
-import json
 
 from sinkwatch.cli import main
 from sinkwatch.demo import DemoWindows, stdlib_bytes

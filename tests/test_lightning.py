@@ -1,6 +1,5 @@
 """SinkWatchCallback in real lightning.Trainer.fit runs on CPU (SPEC §7)."""
 
-import json
 import sys
 import warnings
 

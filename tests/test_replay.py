@@ -1,6 +1,5 @@
 """Replay through a real local Hugging Face cache of a tiny model trained by the tests (SPEC §8)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sinkwatch.monitor
 from sinkwatch import InductionProbe, RepeatedRandomProbe
 from sinkwatch.cli import main
 from sinkwatch.replay import (
-    ReplayStore, list_revisions, load_recipe, merged_records, packaged_recipes, replay, revision_step,
+    list_revisions, load_recipe, merged_records, packaged_recipes, replay, revision_step,
     revision_tokens, select_log_spaced, training_order,
 )
 from sinkwatch.report import build_report
@@ -55,7 +54,6 @@ def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, t
 
 def test_records_equal_live_probes_of_the_same_weights(cache, trajectory_run, tmp_path):
     """A number computed live at step N equals the one replay computes on the checkpoint of step N."""
-    from tiny_models import build  # noqa: F401 - same package path as the live run
     from transformers import AutoModelForCausalLM
 
     from sinkwatch import Monitor

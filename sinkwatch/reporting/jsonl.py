@@ -71,9 +71,10 @@ class JSONLReporter(Reporter):
         """
         moved = 0
         for path in (self.records, self.events):
-            rows = read_jsonl(path)
-            keep = [r for r in rows if _step(r) is None or last_step is None or _step(r) <= last_step]
-            later = [r for r in rows if r not in keep]
+            keep, later = [], []
+            for r in read_jsonl(path):
+                step = r.get("step")
+                (later if step is not None and last_step is not None and step > last_step else keep).append(r)
             if not later:
                 continue
             superseded = path.with_name(path.stem + ".superseded.jsonl")
@@ -85,6 +86,3 @@ class JSONLReporter(Reporter):
             moved += len(later)
         return moved
 
-
-def _step(row: dict) -> int | None:
-    return row.get("step")
