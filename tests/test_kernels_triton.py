@@ -71,6 +71,18 @@ def test_triton_matches_reference_and_torch(S, D, groups, variant, dtype, layout
         torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("D", (40, 80, 96))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_head_dims_that_are_not_powers_of_two(D, dtype):
+    # BLOCK_D rounds up (64/128): the tail of the head dim is masked, both when q is held whole
+    # (16-bit inputs) and when it is re-read in 32-wide chunks (float32 inputs)
+    q, k = make_inputs(1, 2, 1, 37, D, dtype=dtype, layout="sliced", seed=D, device=DEVICE)
+    kw = variant_kwargs("rows_cols", 1, 37, seed=D)
+    tri = attention_stats(q, k, D**-0.5, backend="triton", **kw)
+    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()})
+    assert_close_to_reference(tri, ref, G=4)
+
+
 def test_gqa_reads_the_right_kv_head():
     q, k = make_inputs(2, 4, 2, 33, 64, seed=9, device=DEVICE)
     k[:, 1] *= 3.0  # kv heads differ strongly
@@ -135,3 +147,16 @@ def test_gpu_no_allocation_grows_with_s_squared():
         attention_stats(q, k, 128**-0.5, backend="triton")
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < 8 * peaks[0]  # 4x longer: outputs grow 4x; S^2 would be 16x
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", (64, 256))
+def test_gpu_float32_inputs_use_the_exact_product(D):
+    # float32 takes the chunked FMA product (no TF32): parity with float64 at the CPU tolerances
+    q, k = make_inputs(2, 8, 4, 1500, D, dtype=torch.float32, layout="bshd", seed=D, device="cuda")
+    rows = torch.stack([torch.arange(1490, 1500), torch.arange(0, 10)]).cuda()
+    cols = torch.randint(-1, 1500, (2, 10, 7), device="cuda")
+    tri = attention_stats(q, k, D**-0.5, rows=rows, cols=cols, backend="triton")
+    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, rows=rows.cpu(), cols=cols.cpu(), backend="reference")
+    assert_close_to_reference(tri, ref, G=7)

@@ -26,11 +26,11 @@ import triton.language as tl
 from .api import AttentionStats, StatsProblem, empty_outputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key
 
 
-def _configs():
-    if _INTERPRET:
+def _configs(interpret: bool = _INTERPRET):
+    if interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
@@ -39,6 +39,22 @@ def _configs():
             (64, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2), (16, 32, 2, 2),
         ]
     ]  # fmt: skip
+
+
+def configs_for(configs, *, float32: bool):
+    """The autotune configs worth timing for one input dtype.
+
+    The float32 product runs on FMA units with its operands in registers: compiled for sm_90, key
+    blocks of 64 or more beside 32+ rows spill (0.6-0.8 KiB per thread at head dim >= 128, see
+    ``python -m sinkwatch.kernels.triton_aot --dtypes fp32``), so float32 keeps the narrower tiles.
+    """
+    if not float32:
+        return list(configs)
+    return [c for c in configs if c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16]
+
+
+def _prune(configs, named_args, **kwargs):
+    return configs_for(configs, float32=named_args["q_ptr"].dtype == torch.float32) or configs
 
 
 @triton.jit
@@ -50,28 +66,48 @@ def _softcap(s, softcap):
 
 
 @triton.jit
-def _tile_scores(q, k_base, offs_n, offs_d, d_ok, pos, sk_s, sk_d, n_keys, scaling, softcap, window,
-                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_F32: tl.constexpr):  # fmt: skip
-    """Scaled (soft-capped) logits of the row block against keys ``offs_n`` and their causal/window mask.
-
-    q (BLOCK_M, BLOCK_D); keys at or beyond ``n_keys`` read as zero and are masked. Returns
-    s (BLOCK_M, len(offs_n)) float32 and valid (same shape, bool).
-    """
-    k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=(offs_n[:, None] < n_keys) & d_ok[None, :], other=0.0)
+def _dot_f32(a, b_t, CAST_F32: tl.constexpr):
+    """a @ b_t.T accumulated in float32; float32 (or interpreter-cast) operands use the exact FMA product."""
     if CAST_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a, tl.trans(b_t))
+
+
+@triton.jit
+def _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_n, pos, sk_s, sk_d, n_keys, scaling, softcap, window,
+                 BLOCK_M: tl.constexpr, N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_F32: tl.constexpr):  # fmt: skip
+    """Scaled (soft-capped) logits of the row block against keys ``offs_n`` (N of them) and their mask.
+
+    BLOCK_DK == BLOCK_D: q is the (BLOCK_M, BLOCK_D) row block, held by the caller across key
+    blocks. BLOCK_DK < BLOCK_D: q is unused and the rows are re-read from ``q_rows`` (BLOCK_M row
+    pointers) in BLOCK_DK-wide chunks: the float32 FMA product of a whole row block against a whole
+    key block does not fit in registers. Keys at or beyond ``n_keys`` read as zero and are masked.
+    Returns s (BLOCK_M, N) float32 and valid (BLOCK_M, N) bool.
+    """
+    n_ok = offs_n < n_keys
+    if BLOCK_DK == BLOCK_D:
+        offs_d = tl.arange(0, BLOCK_D)
+        k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        s = _dot_f32(q, k, CAST_F32)
     else:
-        s = tl.dot(q, tl.trans(k))
+        s = tl.zeros([BLOCK_M, N], tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+            offs_d = d0 + tl.arange(0, BLOCK_DK)
+            d_ok = offs_d < HEAD_DIM
+            qc = tl.load(q_rows[:, None] + offs_d[None, :] * sq_d, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+            kc = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s += _dot_f32(qc, kc, CAST_F32)
     s = s * scaling
     if HAS_SOFTCAP:
         s = _softcap(s, softcap)
-    valid = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < n_keys)
+    valid = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
     if HAS_WINDOW:
         valid = valid & ((pos[:, None] - offs_n[None, :]) < window)
     return s, valid
 
 
-@triton.autotune(configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"])
+@triton.autotune(configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _attention_stats_kernel(
     q_ptr, k_ptr, rows_ptr, cols_ptr,
@@ -82,13 +118,13 @@ def _attention_stats_kernel(
     sc_b, sc_q, sc_g,
     scaling, softcap, window,
     N_Q_HEADS, GROUPS, SEQ, Q_LEN, N_FIRST, N_GATHER,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DG: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAST_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // N_Q_HEADS
+    pid_bh = tl.program_id(0)  # (sequence, q-head) on grid axis 0: axes 1 and 2 stop at 65535
+    pid_m = tl.program_id(1)
+    b = (pid_bh // N_Q_HEADS).to(tl.int64)  # b * stride passes 2^31 for large batches of strided views
     h = pid_bh % N_Q_HEADS
     kvh = h // GROUPS
 
@@ -98,14 +134,13 @@ def _attention_stats_kernel(
         pos = tl.load(rows_ptr + b * sr_b + qi * sr_q, mask=q_ok, other=0)
     else:
         pos = qi
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-
-    q_base = q_ptr + b * sq_b + h * sq_h
+    q_rows = q_ptr + b * sq_b + h * sq_h + pos * sq_s  # (BLOCK_M,) pointers to each row's q
     k_base = k_ptr + b * sk_b + kvh * sk_h
-    q = tl.load(q_base + pos[:, None] * sq_s + offs_d[None, :] * sq_d, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    if CAST_F32:
-        q = q.to(tl.float32)
+    if BLOCK_DK == BLOCK_D:  # hold the row block in registers across all key blocks
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_rows[:, None] + offs_d[None, :] * sq_d, mask=q_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:  # _tile_scores re-reads it in chunks
+        q = q_rows
 
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -119,7 +154,7 @@ def _attention_stats_kernel(
         lo = tl.maximum(lo_pos, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        s, valid = _tile_scores(q, k_base, offs_n, offs_d, d_ok, pos, sk_s, sk_d, SEQ, scaling, softcap, window, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
+        s, valid = _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_n, pos, sk_s, sk_d, SEQ, scaling, softcap, window, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_DK, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
         s = tl.where(valid, s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -131,26 +166,33 @@ def _attention_stats_kernel(
     l_safe = tl.where(q_ok, l_i, 1.0)  # padding rows of the block saw no key
     lse = m_i + tl.log(l_safe)
     entropy = lse - t_i / l_safe
-    out_row = pid_bh * Q_LEN + qi  # outputs are contiguous (B, Hq, Q, ...)
+    out_row = pid_bh.to(tl.int64) * Q_LEN + qi  # outputs are contiguous (B, Hq, Q, ...)
     tl.store(lse_ptr + out_row, lse, mask=q_ok)
     tl.store(ent_ptr + out_row, entropy, mask=q_ok)
 
     # probabilities on keys 0 .. N_FIRST-1
     if BLOCK_F > 0:
         offs_f = tl.arange(0, BLOCK_F)
-        sf, ok = _tile_scores(q, k_base, offs_f, offs_d, d_ok, pos, sk_s, sk_d, tl.minimum(SEQ, N_FIRST), scaling, softcap, window, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
+        sf, ok = _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_f, pos, sk_s, sk_d, tl.minimum(SEQ, N_FIRST), scaling, softcap, window, BLOCK_M, BLOCK_F, HEAD_DIM, BLOCK_D, BLOCK_DK, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
         pf = tl.exp(tl.where(ok, sf - lse[:, None], _NEG))  # masked keys: exp(-1e30) = 0, no overflow
         tl.store(first_ptr + out_row[:, None] * N_FIRST + offs_f[None, :], pf, mask=q_ok[:, None] & (offs_f[None, :] < N_FIRST))
 
-    # probabilities on gathered columns, one column per step (each row reads its own key)
-    qf = q.to(tl.float32)
+    # probabilities on gathered columns, one column per step (each row reads its own key). q is
+    # re-read in D chunks: holding a float32 copy of the whole (BLOCK_M, BLOCK_D) tile beside the
+    # gathered keys spills registers at head dim >= 128.
     for g in range(0, N_GATHER):
         col = tl.load(cols_ptr + b * sc_b + qi * sc_q + g * sc_g, mask=q_ok, other=-1)
         use = q_ok & (col >= 0) & (col <= pos)
         if HAS_WINDOW:
             use = use & ((pos - col) < window)
-        kg = tl.load(k_base + col[:, None] * sk_s + offs_d[None, :] * sk_d, mask=use[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        sg = tl.sum(qf * kg, axis=1) * scaling
+        sg = tl.zeros([BLOCK_M], tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, BLOCK_DG):
+            offs_g = d0 + tl.arange(0, BLOCK_DG)
+            g_ok = use[:, None] & (offs_g < HEAD_DIM)[None, :]
+            qg = tl.load(q_rows[:, None] + offs_g[None, :] * sq_d, mask=g_ok, other=0.0).to(tl.float32)
+            kg = tl.load(k_base + col[:, None] * sk_s + offs_g[None, :] * sk_d, mask=g_ok, other=0.0).to(tl.float32)
+            sg += tl.sum(qg * kg, axis=1)
+        sg = sg * scaling
         if HAS_SOFTCAP:
             sg = _softcap(sg, softcap)
         pg = tl.exp(tl.where(use, sg - lse, _NEG))
@@ -159,6 +201,24 @@ def _attention_stats_kernel(
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def specialisation(
+    *, head_dim: int, n_first: int, rows: bool, window: bool, softcap: bool, float32: bool, interpret: bool = _INTERPRET
+) -> dict:
+    """The constexpr arguments of one launch (shared with the ahead-of-time compile check).
+
+    float32 inputs take the exact FMA product in 32-wide chunks of the head dim (the whole-tile
+    FMA product spills, see ``triton_aot``); 16-bit inputs hold q and use the tensor-core product.
+    The interpreter casts every load to float32 (its bfloat16 product is wrong) but keeps the
+    chunking choice, so interpreter tests cover both paths.
+    """
+    block_d = _pow2_at_least_16(head_dim)  # tl.dot needs every dimension >= 16
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DK=min(block_d, 32) if float32 else block_d, BLOCK_DG=min(block_d, 32),
+        BLOCK_F=0 if n_first == 0 else _pow2_at_least_16(n_first),
+        HAS_ROWS=rows, HAS_WINDOW=window, HAS_SOFTCAP=softcap, CAST_F32=interpret or float32,
+    )  # fmt: skip
 
 
 def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
@@ -175,8 +235,7 @@ def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
     dummy = torch.zeros(1, 1, 1, dtype=torch.int64, device=q.device)
     rows = problem.rows if problem.rows is not None else dummy[0]
     cols = problem.cols if problem.cols is not None else dummy
-    cast = _INTERPRET or q.dtype == torch.float32
-    grid = lambda meta: (triton.cdiv(Q, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    grid = lambda meta: (B * Hq, triton.cdiv(Q, meta["BLOCK_M"]))  # noqa: E731
     _attention_stats_kernel[grid](
         q, k, rows, cols,
         out.lse, out.entropy, out.first, out.gathered,
@@ -185,8 +244,9 @@ def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
         cols.stride(0), cols.stride(1), cols.stride(2),
         problem.scaling, problem.softcap or 1.0, problem.window or 0,
         Hq, Hq // Hkv, S, Q, problem.n_first, G,
-        HEAD_DIM=D, BLOCK_D=_pow2_at_least_16(D), BLOCK_F=0 if problem.n_first == 0 else _pow2_at_least_16(problem.n_first),
-        HAS_ROWS=problem.rows is not None, HAS_WINDOW=problem.window is not None,
-        HAS_SOFTCAP=problem.softcap is not None, CAST_F32=cast,
+        **specialisation(
+            head_dim=D, n_first=problem.n_first, rows=problem.rows is not None,
+            window=problem.window is not None, softcap=problem.softcap is not None, float32=q.dtype == torch.float32,
+        ),
     )  # fmt: skip
     return out
