@@ -68,10 +68,15 @@ def test_float32_inputs_have_spill_free_configs_at_every_head_dim(compiled):
 
 
 def test_float32_pruning_keeps_narrow_key_blocks():
-    from sinkwatch.kernels.triton_stats import _configs, configs_for
+    import torch
+
+    from sinkwatch.kernels.triton_stats import _configs, _prune, configs_for
 
     full = _configs(interpret=False)
     narrow = configs_for(full, float32=True)
     assert configs_for(full, float32=False) == full
     assert 0 < len(narrow) < len(full)
     assert all(c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16 for c in narrow)
+    # the autotuner's hook sees the launch arguments by name
+    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.float32)}) == narrow
+    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.bfloat16)}) == full
