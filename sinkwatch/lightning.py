@@ -5,8 +5,9 @@
 
 Probes after every ``every_n_steps``-th optimizer step (de-duplicated on ``trainer.global_step``:
 the batch-end hook fires per micro-batch), at step 0 and at the end. Strategies: single device,
-DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP (every
-rank probes together inside ``summon_full_params``; Lightning's FSDP needs GPUs, see docs/live.md).
+DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
+``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
+FSDP (every rank probes together inside ``summon_full_params``; needs GPUs, see docs/live.md).
 Only global rank 0 reports.
 """
 
@@ -47,9 +48,9 @@ class SinkWatchCallback(Callback):
     def state_key(self) -> str:
         return "SinkWatchCallback"
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # not in ``setup``: that hook runs before ``configure_model`` shards the model (FSDP2) and
+        # before the strategy wraps it (FSDP), and whether every rank must probe depends on both
         self.live.setup(
             pl_module,
             is_global_zero=trainer.is_global_zero,

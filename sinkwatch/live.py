@@ -153,7 +153,8 @@ class LiveMonitor:
 
         DDP: only global rank 0 probes, the bare module (the DDP wrapper would wait for the other
         ranks and hang). FSDP: every rank probes together, inside ``summon_full_params`` on the
-        root wrapper so the inner model's forward sees whole parameters."""
+        root wrapper so the inner model's forward sees whole parameters. FSDP2 (``fully_shard``):
+        every rank probes together; each sharded module all-gathers its parameters in its forward."""
         self.target = resolve_target(model)
         self._full_params = fsdp_full_params(model)
         self.world_size = max(1, int(world_size))
@@ -341,20 +342,31 @@ class LiveMonitor:
 
 
 def fsdp_full_params(module) -> Callable[[], contextlib.AbstractContextManager]:
-    """For a module holding FSDP (v1) wrappers: gather full parameters on every rank for the probe
-    (a collective: all ranks must probe). Otherwise a no-op context."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - torch without distributed
-        return contextlib.nullcontext
-    roots = [m for m in module.modules() if isinstance(m, FSDP)]
-    if not roots:
-        return contextlib.nullcontext
-    return lambda: FSDP.summon_full_params(roots[0], writeback=False, recurse=True)
+    """The context a sharded model's probe forward runs in; every rank must run it (a collective).
+
+    FSDP (v1) wrappers: ``summon_full_params`` on the root gathers whole parameters first.
+    FSDP2 (``fully_shard``): each sharded module's forward pre-hook all-gathers its own parameters,
+    so the forward needs nothing around it. Neither: a no-op context."""
+    return _fsdp_kind(module)[1]
 
 
 def is_fsdp(module) -> bool:
-    return fsdp_full_params(module) is not contextlib.nullcontext
+    """Whether ``module`` holds FSDP or FSDP2 shards (then every rank probes together)."""
+    return _fsdp_kind(module)[0] is not None
+
+
+def _fsdp_kind(module) -> tuple[str | None, Callable[[], contextlib.AbstractContextManager]]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None, contextlib.nullcontext
+    v1 = [m for m in module.modules() if isinstance(m, FSDP)]
+    if v1:
+        return "fsdp", lambda: FSDP.summon_full_params(v1[0], writeback=False, recurse=True)
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return "fsdp2", contextlib.nullcontext
+    return None, contextlib.nullcontext
 
 
 def _has_non_finite(values: dict) -> bool:

@@ -6,6 +6,7 @@ Lightning's "ddp" strategy relaunches this script for rank 1. Rank 0 saves the f
 OUT_DIR/final so the test can probe them in a single process and compare.
 """
 
+import faulthandler
 import os
 import sys
 
@@ -30,6 +31,7 @@ class SlowLit(LitLM):
 
 
 def main(out: str) -> None:
+    faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
     torch.set_num_threads(1)
     pl.seed_everything(0)
     lit = SlowLit(planted.p0_final())

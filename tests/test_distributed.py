@@ -1,4 +1,11 @@
-"""DDP with 2 CPU processes (gloo): records equal a single-process probe; one set of logs and alerts."""
+"""DDP and FSDP2 with 2 CPU processes (gloo), through Lightning: records equal a single-process
+probe of the final weights; one set of logs and alerts.
+
+DDP: rank 0 alone probes the bare module. FSDP2 (ModelParallelStrategy + ``fully_shard``): every
+rank runs the probe forward, whose pre-hooks all-gather each block's shards; rank 0 alone reports.
+If only rank 0 probed, its all-gather would wait forever (the scripts dump stacks and exit after
+300 s rather than stall).
+"""
 
 import os
 import subprocess
@@ -15,11 +22,12 @@ from sinkwatch.reporting.jsonl import read_jsonl
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def ddp_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "WANDB_MODE": "offline"}
-    res = subprocess.run([sys.executable, str(HERE / "ddp_lightning.py"), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    script = HERE / f"{request.param}_lightning.py"
+    res = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
 
