@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class UnsupportedModelError(TypeError):
     """The model cannot be probed: it does not expose its attention to sinkwatch."""
 
 
-_ACTIVE: "CaptureSession | None" = None
+_ACTIVE: CaptureSession | None = None
 
 
 # ---- the probe-time session (shared by every kind of target) -----------------------------------------

@@ -48,7 +48,7 @@ class SinkWatchCallback(Callback):
     def state_key(self) -> str:
         return "SinkWatchCallback"
 
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # not in ``setup``: that hook runs before ``configure_model`` shards the model (FSDP2) and
         # before the strategy wraps it (FSDP), and whether every rank must probe depends on both
         self.live.setup(

@@ -12,8 +12,9 @@ import contextlib
 import math
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ class LiveConfig:
                 raise TypeError(f"reporters must be sinkwatch Reporter instances, got {type(r).__name__}")
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "LiveConfig":
+    def from_kwargs(cls, kwargs: dict) -> LiveConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names - {"stages"})
         if unknown:

@@ -19,9 +19,10 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ class ProbeSet:
             h.update(arr.tobytes())
         return h.hexdigest()[:16]
 
-    def subset(self, n: int) -> "ProbeSet":
+    def subset(self, n: int) -> ProbeSet:
         """The first ``n`` sequences (metadata sliced alongside)."""
         if not 1 <= n <= self.n:
             raise ValueError(f"subset size must be in [1, {self.n}], got {n}")
@@ -93,7 +94,7 @@ class ProbeSet:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "ProbeSet":
+    def from_bytes(cls, data: bytes) -> ProbeSet:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             fields = {k[len("field__"):]: z[k] for k in z.files if k.startswith("field__")}
@@ -112,7 +113,7 @@ class ProbeSet:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ProbeSet":
+    def load(cls, path: str | os.PathLike) -> ProbeSet:
         return cls.from_bytes(Path(path).read_bytes())
 
     def check_vocab(self, vocab_size: int) -> None:

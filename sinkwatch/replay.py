@@ -17,10 +17,10 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import yaml

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class Snapshot:
         return record
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> "Snapshot":
+    def from_record(cls, record: Mapping[str, Any]) -> Snapshot:
         meta = {"model", "revision", "step", "tokens", "probe", "probe_hash", "n_layers", "n_heads", "probe_hashes"}
         hashes = record.get("probe_hashes") or {k: record["probe_hash"] for k in record["probe"].split("+")}
         return cls(

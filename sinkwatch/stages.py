@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -260,7 +261,7 @@ class StageTracker:
         self.n_updates = state["n_updates"]
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "StageTracker":
+    def from_state_dict(cls, state: Mapping[str, Any]) -> StageTracker:
         tracker = cls(StageConfig(**state["config"]))
         tracker.load_state_dict(state)
         return tracker

@@ -15,12 +15,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-
 import planted  # noqa: E402
+import torch  # noqa: E402
+from train_helpers import LitLM  # noqa: E402
+
 from sinkwatch import InductionProbe, RepeatedRandomProbe  # noqa: E402
 from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
-from train_helpers import LitLM  # noqa: E402
 
 PROBES = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 

@@ -17,11 +17,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import lightning.pytorch as pl  # noqa: E402
+import planted  # noqa: E402
 import torch  # noqa: E402
+from ddp_lightning import PROBES, SlowLit  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-import planted  # noqa: E402
-from ddp_lightning import PROBES, SlowLit  # noqa: E402
 from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
 
 

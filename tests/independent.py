@@ -11,7 +11,6 @@ import itertools
 
 import numpy as np
 import torch
-
 from tiny_models import OUTPUT_PROJECTION
 
 

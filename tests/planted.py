@@ -82,7 +82,7 @@ class Planted:
         sl = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
         return (W[:, sl], b[sl]), (W[:, D_MODEL:][:, sl], b[D_MODEL:][sl]), (W[:, 2 * D_MODEL :][:, sl], b[2 * D_MODEL :][sl])
 
-    def amplify(self, block: int, gain: float = 15.0) -> "Planted":
+    def amplify(self, block: int, gain: float = 15.0) -> Planted:
         """Block ``block``'s MLP writes gain * LN2 / 2 (~100) * s at position 0 only."""
         mlp = self.m.transformer.h[block].mlp
         with torch.no_grad():
@@ -92,7 +92,7 @@ class Planted:
         self.amplified_from = block if self.amplified_from is None else min(self.amplified_from, block)
         return self
 
-    def sink_heads(self, layer: int, positions, strength: float = 14.0, heads=range(N_HEADS)) -> "Planted":
+    def sink_heads(self, layer: int, positions, strength: float = 14.0, heads=range(N_HEADS)) -> Planted:
         """All ``heads`` of ``layer`` sink onto ``positions`` (logit ~ strength there, 0 elsewhere)."""
         with torch.no_grad():
             for h in heads:
@@ -107,7 +107,7 @@ class Planted:
                         Wk[:, 0] += self.basis.P[k] * strength / (LN2 * HEAD_DIM**-0.5)
         return self
 
-    def induction(self, prev_layer: int = 0, ind_layer: int = 1, strength: float = 15.0) -> "Planted":
+    def induction(self, prev_layer: int = 0, ind_layer: int = 1, strength: float = 15.0) -> Planted:
         B = self.basis
         scale = HEAD_DIM**-0.5
         with torch.no_grad():

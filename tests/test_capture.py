@@ -3,12 +3,12 @@
 
 import pytest
 import torch
+from tiny_models import FAMILIES, VOCAB, build
 
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, RepeatedRandomProbe, UnsupportedModelError, find_transformers_model
 from sinkwatch.capture import HFTarget
 from sinkwatch.collectors import HeadOutputPart, P0Part, ProbeCollector, SinkPart
 from sinkwatch.probes import ProbeSet
-from tiny_models import FAMILIES, VOCAB, build
 
 
 @pytest.mark.parametrize("family", FAMILIES)

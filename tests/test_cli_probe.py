@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import build
 
 from sinkwatch.cli import main
 from sinkwatch.snapshot import RECORD_KEYS
-from tiny_models import build
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,16 @@
 
 import json
 
+import planted
 import pytest
 import torch
+from tiny_models import build
+from train_helpers import CopyDataset
 from transformers import Trainer, TrainingArguments
 
-import planted
 from sinkwatch import InductionProbe, RepeatedRandomProbe
 from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.reporting.jsonl import read_jsonl
-from tiny_models import build
-from train_helpers import CopyDataset
 
 SMALL = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kernel_cases import assert_close_to_reference, make_inputs
+
 from sinkwatch import attention_stats
 from sinkwatch.kernels.api import validate
 from sinkwatch.kernels.reference import attention_stats_reference

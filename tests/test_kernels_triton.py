@@ -20,6 +20,7 @@ if not HAS_CUDA:
 triton = pytest.importorskip("triton")
 
 from kernel_cases import assert_close_to_reference, make_inputs  # noqa: E402
+
 from sinkwatch import attention_stats  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -4,15 +4,15 @@ import sys
 import warnings
 
 import lightning.pytorch as pl
+import planted
 import pytest
 import torch
+from tiny_models import build
+from train_helpers import LitLM, LitNanoGPT, loader, params_of, trainer
 
-import planted
 from sinkwatch import InductionProbe, ProbeSet, RepeatedRandomProbe, StageConfig, UnsupportedModelError
 from sinkwatch.lightning import SinkWatchCallback
 from sinkwatch.reporting.jsonl import read_jsonl
-from tiny_models import build
-from train_helpers import LitLM, LitNanoGPT, loader, params_of, trainer
 
 SMALL = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 

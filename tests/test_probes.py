@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from sinkwatch import InductionProbe, NaturalProbe, ProbeSet, RepeatedRandomProbe, make_induction_probe, make_natural_probe, make_repeated_random_probe
+from sinkwatch import (
+    InductionProbe,
+    NaturalProbe,
+    ProbeSet,
+    RepeatedRandomProbe,
+    make_induction_probe,
+    make_natural_probe,
+    make_repeated_random_probe,
+)
 from sinkwatch.probes import baseline_positions, read_text_tokens, resolve_vocab_range
 
 
@@ -117,7 +125,8 @@ def test_corrupt_probe_file_is_refused(tmp_path):
     data = bytearray(p.to_bytes())
     bad = ProbeSet("repeated", p.tokens + 1, {}, p.params).to_bytes()
     # splice: keep the stored hash of p but another probe's tokens
-    import io, json
+    import io
+    import json
     z = dict(np.load(io.BytesIO(bad)))
     z["meta"] = np.frombuffer(json.dumps({"kind": "repeated", "params": p.params, "hash": p.hash}).encode(), dtype=np.uint8)
     buf = io.BytesIO()

@@ -5,13 +5,13 @@ copy task, sinkwatch's record is compared with tests/independent.py, which mater
 attention with output_attentions=True and re-derives each definition with plain numpy.
 """
 
+import independent as ind
 import numpy as np
 import pytest
 import torch
-
-import independent as ind
-from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe
 from tiny_models import FAMILIES, VOCAB, build
+
+from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe
 
 # Named tolerances (float32 statistics vs float64 eager re-computation)
 PROB_ATOL = 2e-5  # attention probabilities and their means

@@ -5,17 +5,24 @@ import subprocess
 import sys
 
 import pytest
+from trajectory import TOKENS_PER_STEP, hf_cache_from_checkpoints
 
 import sinkwatch.monitor
 from sinkwatch import InductionProbe, RepeatedRandomProbe
 from sinkwatch.cli import main
 from sinkwatch.replay import (
-    list_revisions, load_recipe, merged_records, packaged_recipes, replay, revision_step,
-    revision_tokens, select_log_spaced, training_order,
+    list_revisions,
+    load_recipe,
+    merged_records,
+    packaged_recipes,
+    replay,
+    revision_step,
+    revision_tokens,
+    select_log_spaced,
+    training_order,
 )
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
-from trajectory import TOKENS_PER_STEP, hf_cache_from_checkpoints
 
 PROBES = [InductionProbe(n=24, seq_len=128), RepeatedRandomProbe(n=8, seq_len=64)]
 

@@ -3,11 +3,11 @@
 import json
 
 import numpy as np
+import planted
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import planted
 from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe, StageConfig, StageTracker
 from sinkwatch.stages import INDUCTION_STATES, P0_STAGES, classify_induction, classify_p0
 

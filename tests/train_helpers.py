@@ -8,11 +8,11 @@ import math
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from tiny_models import VOCAB, copy_task_batch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import sinkwatch
-from tiny_models import VOCAB, copy_task_batch
 
 
 class CopyDataset(Dataset):

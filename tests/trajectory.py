@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
 from tiny_models import VOCAB, build
 
+from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
 
 TOKENS_PER_STEP = 16 * 128
 SAVE_STEPS = (0, 100, 300, 600, 900, 1300)
