@@ -1,5 +1,6 @@
-"""DDP and FSDP2 with 2 CPU processes (gloo), through Lightning: records equal a single-process
-probe of the final weights; one set of logs and alerts.
+"""DDP and FSDP2 with 2 CPU processes (gloo), through Lightning, and DDP through the HF Trainer
+(torchrun): records equal a single-process probe of the final weights; tokens count every rank's
+batch; one set of logs and alerts.
 
 DDP: rank 0 alone probes the bare module. FSDP2 (ModelParallelStrategy + ``fully_shard``): every
 rank runs the probe forward, whose pre-hooks all-gather each block's shards; rank 0 alone reports.
@@ -22,12 +23,26 @@ from sinkwatch.reporting.jsonl import read_jsonl
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LAUNCH = {
+    "ddp": lambda out: [sys.executable, str(HERE / "ddp_lightning.py"), out],  # Lightning spawns rank 1
+    "fsdp2": lambda out: [sys.executable, str(HERE / "fsdp2_lightning.py"), out],
+    "ddp_hf": lambda out: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), str(HERE / "ddp_hf.py"), out],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAUNCH))
 def ddp_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "WANDB_MODE": "offline"}
-    script = HERE / f"{request.param}_lightning.py"
-    res = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(LAUNCH[request.param](str(out)), capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
 
@@ -37,6 +52,7 @@ def test_ddp_records_equal_a_single_process_probe(ddp_run):
 
     records = read_jsonl(ddp_run / "sw" / "records.jsonl")
     assert [r["step"] for r in records] == [0, 5, 10]  # written once, by rank 0
+    assert [r["tokens"] for r in records] == [0, 5 * 4 * 2 * 32, 10 * 4 * 2 * 32]  # step x batch x ranks x length
     model = GPT2LMHeadModel.from_pretrained(ddp_run / "final")
     single = Monitor(PROBES).probe(model).to_record()
     last = records[-1]
