@@ -15,11 +15,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+import planted  # noqa: E402
 import torch  # noqa: E402
+from ddp_lightning import PROBES  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-import planted  # noqa: E402
-from ddp_lightning import PROBES  # noqa: E402
 from sinkwatch.hf import SinkWatchTrainerCallback  # noqa: E402
 
 BATCH, SEQ, STEPS = 4, 32, 10

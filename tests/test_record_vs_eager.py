@@ -122,3 +122,18 @@ def test_trained_models_are_not_trivial(trained_models):
     record = Monitor([RepeatedRandomProbe(n=8, seq_len=64)]).probe(model).to_record()
     assert max(max(r) for r in record["induction_score"]) > 0.3
     assert record["icl_score"] < -0.5
+
+
+def test_the_triton_kernel_inside_a_real_probe_matches_eager():
+    """The whole probe through the Triton kernel (the GPU default; the interpreter here, so small
+    probes): a Qwen2 model's own q/k layouts, GQA and a sliding-window layer, against the same
+    independent eager computation as every other record."""
+    pytest.importorskip("triton")
+    import sinkwatch.kernels.triton_stats as ts
+
+    if not (torch.cuda.is_available() or ts._INTERPRET):
+        pytest.skip("the Triton kernel module was imported without TRITON_INTERPRET=1 on a machine without CUDA")
+    model = build("qwen2", seed=1)
+    small = [InductionProbe(n=4, seq_len=64), RepeatedRandomProbe(n=2, seq_len=32), NaturalProbe(tokens=natural_stream(), n=2, seq_len=40)]
+    monitor = Monitor(small, config=MonitorConfig(backend="triton"))
+    check_record(model, "qwen2", monitor.probe(model).to_record(), monitor)
