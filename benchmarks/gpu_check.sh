@@ -16,9 +16,13 @@ unset TRITON_INTERPRET
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/gpu_env.txt"
 
-# 1. realistic bf16 shapes, float32 parity, no S^2 allocation (compiled kernel vs float64 reference)
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.txt"
+# 1. realistic bf16 shapes, float32 parity, no S^2 allocation (compiled kernel vs float64 reference),
+#    and a whole probe through the compiled kernel against eager attention
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.txt"
 status=${PIPESTATUS[0]}
+timeout 90 python3 -m pytest -q -p no:cacheprovider \
+  "tests/test_record_vs_eager.py::test_the_triton_kernel_inside_a_real_probe_matches_eager" 2>&1 | tee -a "$OUT/gpu_tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # 2. the benchmark, only if the kernel is right (it also checks each backend first)
 if [ "$status" -eq 0 ]; then
