@@ -10,9 +10,13 @@ One program handles BLOCK_M query rows of one (sequence, q-head):
 
 GQA by index (q-head h reads kv-head h // groups; k is never repeated), arbitrary strides,
 float32/float16/bfloat16 inputs with float32 accumulation. A subset of rows costs O(S) per row.
+16-bit inputs hold q and use the tensor-core product; float32 inputs take the exact FMA product in
+32-wide chunks of the head dim (``specialisation``), since the whole tile does not fit in registers.
 
-Testing on CPU: set ``TRITON_INTERPRET=1`` before this module is imported; loads are cast to
-float32 there (the interpreter's bf16 dot is wrong) and a single small config is used.
+Testing on CPU, two ways (docs/kernels.md): set ``TRITON_INTERPRET=1`` before this module is
+imported to run its semantics (loads cast to float32 — the interpreter's bf16 dot is wrong — and
+one small config); ``triton_aot`` compiles it for sm_90/sm_80 and reads registers, spills and
+shared memory.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import triton.language as tl
 from .api import AttentionStats, StatsProblem, empty_outputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key
+# finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key. A constexpr:
+# the GPU compiler rejects a kernel reading a plain global (the interpreter does not)
+_NEG = tl.constexpr(-1.0e30)
 
 
 def _configs(interpret: bool = _INTERPRET):
