@@ -17,25 +17,22 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import planted  # noqa: E402
 import torch  # noqa: E402
-from ddp_lightning import PROBES  # noqa: E402
+from ddp_lightning import PROBES, dataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from sinkwatch.hf import SinkWatchTrainerCallback  # noqa: E402
-
-BATCH, SEQ, STEPS = 4, 32, 10
 
 
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
     torch.set_num_threads(1)
-    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (256, SEQ), generator=torch.Generator().manual_seed(0))]
     cb = SinkWatchTrainerCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
     args = TrainingArguments(
-        output_dir=os.path.join(out, "trainer"), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-3,
+        output_dir=os.path.join(out, "trainer"), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-3,
         use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", logging_steps=5, seed=0,
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = Trainer(model=planted.p0_final(), args=args, train_dataset=data, callbacks=[cb])
+    trainer = Trainer(model=planted.p0_final(), args=args, train_dataset=dataset(), callbacks=[cb])
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))  # world process zero writes
 

@@ -30,18 +30,30 @@ class SlowLit(LitLM):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def main(out: str) -> None:
+def dataset() -> list[dict]:
+    """256 random sequences of 32 tokens, the same on every rank (and in every launcher)."""
+    tokens = torch.randint(0, 64, (256, 32), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": t, "labels": t} for t in tokens]
+
+
+def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
+    """Two CPU processes train ``make_lit()`` for 10 steps (batch 4 per rank) under ``strategy``,
+    with the callback probing every 5 steps."""
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    lit = SlowLit(planted.p0_final())
-    data = torch.utils.data.DataLoader([{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (256, 32), generator=torch.Generator().manual_seed(0))], batch_size=4)
+    lit = make_lit()
     cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=10, callbacks=[cb], logger=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=10, callbacks=[cb], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )
-    trainer.fit(lit, data)
+    trainer.fit(lit, torch.utils.data.DataLoader(dataset(), batch_size=4))
+    return trainer, lit
+
+
+def main(out: str) -> None:
+    trainer, lit = fit(out, lambda: SlowLit(planted.p0_final()), "ddp")
     if trainer.is_global_zero:
         lit.model.save_pretrained(os.path.join(out, "final"))
 

@@ -8,7 +8,6 @@ and rank 0 logs. At the end every rank joins in gathering the full state dict an
 as OUT_DIR/final, so the test can probe the same weights in one process and compare.
 """
 
-import faulthandler
 import os
 import sys
 
@@ -16,13 +15,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-import lightning.pytorch as pl  # noqa: E402
 import planted  # noqa: E402
-import torch  # noqa: E402
-from ddp_lightning import PROBES, SlowLit  # noqa: E402
+from ddp_lightning import SlowLit, fit  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-
-from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
 
 
 class ShardedLit(SlowLit):
@@ -36,18 +31,7 @@ class ShardedLit(SlowLit):
 
 
 def main(out: str) -> None:
-    faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
-    torch.set_num_threads(1)
-    pl.seed_everything(0)
-    lit = ShardedLit(planted.p0_final())
-    data = torch.utils.data.DataLoader([{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (256, 32), generator=torch.Generator().manual_seed(0))], batch_size=4)
-    cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=10, callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out,
-    )  # fmt: skip
-    trainer.fit(lit, data)
+    trainer, lit = fit(out, lambda: ShardedLit(planted.p0_final()), ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(lit.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # a collective
