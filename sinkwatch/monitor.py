@@ -18,7 +18,7 @@ from torch import nn
 from . import metrics
 from .capture import ProbeTarget, resolve_target, untouched
 from .collectors import AblationPart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
-from .kernels import BACKENDS
+from .kernels import BACKENDS, resolve_backend
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .snapshot import Snapshot
 from .stages import StageConfig, StageTracker
@@ -118,6 +118,7 @@ class Monitor:
                 out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
                 values.update(out)
         values["probe_seconds"] = time.perf_counter() - t0
+        values["stats_backend"] = resolve_backend(self.config.backend, next(target.module.parameters()).device)  # provenance
         snap = Snapshot(
             model=model_name or target.name,
             n_layers=target.n_layers,

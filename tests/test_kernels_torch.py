@@ -71,6 +71,16 @@ def test_auto_backend_on_cpu_is_the_torch_path():
         assert torch.equal(x, y)
 
 
+def test_resolve_backend_names_what_auto_runs():
+    from sinkwatch.kernels import resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"  # by device type; no GPU needed
+    assert resolve_backend("reference", "cuda") == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("flash", "cpu")
+
+
 def test_memory_is_bounded_by_the_block_not_s_squared():
     """A long sequence runs with a block budget far below B*H*S*S (would be 4 GiB here)."""
     q, k = make_inputs(1, 4, 4, 16384, 16, seed=0)

@@ -95,7 +95,9 @@ def check_record(model, family, record, monitor):
 def test_random_model_record_matches_eager(family):
     model = build(family, seed=1)
     monitor = Monitor(probes(), config=MonitorConfig(batch_tokens=200))  # several micro-batches per probe
-    check_record(model, family, monitor.probe(model).to_record(), monitor)
+    record = monitor.probe(model).to_record()
+    assert record["stats_backend"] == "torch"  # "auto" on CPU tensors
+    check_record(model, family, record, monitor)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -140,4 +142,6 @@ def test_the_triton_kernel_inside_a_real_probe_matches_eager():
     small = [InductionProbe(n=4, seq_len=64), RepeatedRandomProbe(n=2, seq_len=32), NaturalProbe(tokens=natural_stream(), n=2, seq_len=40)]
     monitor = Monitor(small, config=MonitorConfig(backend="triton"))
     probed = copy.deepcopy(model).cuda() if cuda else model  # compiled kernel on a GPU; eager stays on the CPU
-    check_record(model, "qwen2", monitor.probe(probed).to_record(), monitor)
+    record = monitor.probe(probed).to_record()
+    assert record["stats_backend"] == "triton"
+    check_record(model, "qwen2", record, monitor)

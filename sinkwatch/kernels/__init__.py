@@ -4,6 +4,6 @@
 the float64 materialising reference that the tests compare against.
 """
 
-from .api import BACKENDS, AttentionStats, attention_stats
+from .api import BACKENDS, AttentionStats, attention_stats, resolve_backend
 
-__all__ = ["BACKENDS", "AttentionStats", "attention_stats"]
+__all__ = ["BACKENDS", "AttentionStats", "attention_stats", "resolve_backend"]

@@ -152,11 +152,8 @@ def attention_stats(
     (also on CPU tensors when ``TRITON_INTERPRET=1`` was set before import), "torch", or
     "reference" (float64, materialising; for tests only).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = resolve_backend(backend, q.device)
     problem = validate(q, k, scaling, rows, cols, n_first, window, softcap)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and _triton_usable() else "torch"
     if backend == "torch":
         from .torch_chunked import attention_stats_torch
 
@@ -168,6 +165,16 @@ def attention_stats(
     from .triton_stats import attention_stats_triton
 
     return attention_stats_triton(problem)
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend ``attention_stats`` runs for tensors on ``device``: "auto" is Triton on CUDA
+    (when Triton imports) and the chunked PyTorch path elsewhere; any other name is itself."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and _triton_usable() else "torch"
+    return backend
 
 
 def _triton_usable() -> bool:
