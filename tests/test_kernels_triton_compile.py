@@ -78,5 +78,17 @@ def test_float32_pruning_keeps_narrow_key_blocks():
     assert 0 < len(narrow) < len(full)
     assert all(c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16 for c in narrow)
     # the autotuner's hook sees the launch arguments by name
-    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.float32)}) == narrow
-    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.bfloat16)}) == full
+    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.float32), "Q_LEN": 4096}) == narrow
+    assert _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.bfloat16), "Q_LEN": 4096}) == full
+
+
+def test_one_query_row_only_times_the_shortest_row_blocks():
+    import torch
+
+    from sinkwatch.kernels.triton_stats import _configs, _prune, configs_for
+
+    full = _configs(interpret=False)
+    one_row = _prune(full, {"q_ptr": torch.zeros(2, dtype=torch.bfloat16), "Q_LEN": 1})
+    assert one_row and {c.kwargs["BLOCK_M"] for c in one_row} == {16}  # the paper's protocol
+    assert {c.kwargs["BLOCK_M"] for c in configs_for(full, float32=False, n_rows=40)} == {16, 32, 64}
+    assert configs_for(full, float32=False, n_rows=128) == full

@@ -47,20 +47,27 @@ def _configs(interpret: bool = _INTERPRET):
     ]  # fmt: skip
 
 
-def configs_for(configs, *, float32: bool):
-    """The autotune configs worth timing for one input dtype.
+def configs_for(configs, *, float32: bool, n_rows: int | None = None):
+    """The autotune configs worth compiling and timing for one launch.
 
-    The float32 product runs on FMA units with its operands in registers: compiled for sm_90, key
+    float32: the product runs on FMA units with its operands in registers; compiled for sm_90, key
     blocks of 64 or more beside 32+ rows spill (0.6-0.8 KiB per thread at head dim >= 128, see
     ``python -m sinkwatch.kernels.triton_aot --dtypes fp32``), so float32 keeps the narrower tiles.
+    ``n_rows`` (query rows per sequence and head): a row block taller than the rows there are only
+    computes padding — the paper's protocol probes one row, where BLOCK_M = 128 would waste 127/128
+    of the work — so blocks stop at the next power of two (16 at least, the product's minimum).
     """
-    if not float32:
-        return list(configs)
-    return [c for c in configs if c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16]
+    keep = list(configs)
+    if float32:
+        keep = [c for c in keep if c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16]
+    if n_rows is not None:
+        tallest = max(16, triton.next_power_of_2(max(int(n_rows), 1)))
+        keep = [c for c in keep if c.kwargs["BLOCK_M"] <= tallest]
+    return keep or list(configs)
 
 
 def _prune(configs, named_args, **kwargs):
-    return configs_for(configs, float32=named_args["q_ptr"].dtype == torch.float32) or configs
+    return configs_for(configs, float32=named_args["q_ptr"].dtype == torch.float32, n_rows=named_args["Q_LEN"])
 
 
 @triton.jit
