@@ -14,7 +14,6 @@ import argparse
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,14 +27,13 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"])
     ap.add_argument("--csv", default="benchmarks/results/bench_kernel_resources.csv")
     args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # triton.jit must build compiled functions
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        raise SystemExit(subprocess.call([sys.executable, *sys.argv], env=env))
+    from sinkwatch.kernels.triton_aot import Variant, compiler_env, survey
 
-    from sinkwatch.kernels.triton_aot import Variant, survey
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # triton.jit must build compiled functions
+        raise SystemExit(subprocess.call([sys.executable, *sys.argv], env=compiler_env()))
 
     variants = [Variant(dtype=t, head_dim=d) for t in args.dtypes for d in args.head_dims]
-    rows = [asdict(r) | {"fits": r.fits} for r in survey(args.arch, variants)]
+    rows = [r.as_row() for r in survey(args.arch, variants)]
     print(f"{'arch':>4} {'dtype':>5} {'D':>4} | configs  fit  spill-free | regs min-max | smem KiB max")
     for arch in args.arch:
         for v in variants:

@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 from kernel_cases import assert_close_to_reference, make_inputs  # noqa: E402
 
 from sinkwatch import attention_stats  # noqa: E402
+from sinkwatch.kernels.triton_aot import compiler_env  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA:
@@ -94,7 +95,7 @@ def test_gqa_reads_the_right_kv_head():
 
 def test_import_never_touches_a_gpu_driver():
     code = "import os; os.environ.pop('TRITON_INTERPRET', None); import sinkwatch.kernels.triton_stats; print('ok')"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
@@ -107,7 +108,7 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
         "q = torch.zeros(1, 1, 4, 16)\n"
         "try:\n    attention_stats(q, q, 0.25, backend='triton')\nexcept RuntimeError as e:\n    print('RuntimeError', e)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "RuntimeError" in res.stdout and "TRITON_INTERPRET=1" in res.stdout, res.stdout + res.stderr

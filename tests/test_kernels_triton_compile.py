@@ -8,7 +8,6 @@ the ptxas Triton ships, for sm_90 (H100/H200) and sm_80 (A100), and reads back t
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,7 +17,9 @@ pytest.importorskip("triton")
 
 
 def _survey(*args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    from sinkwatch.kernels.triton_aot import compiler_env
+
+    env = compiler_env()  # the compiler, not the interpreter
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
     cmd = [sys.executable, "-m", "sinkwatch.kernels.triton_aot", "--json", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

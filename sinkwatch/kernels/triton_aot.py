@@ -29,7 +29,6 @@ from pathlib import Path
 
 # Shared memory a single program may use (opt-in maximum), by compute capability.
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-REGISTER_FILE = 64 * 1024  # 32-bit registers per SM on sm_80 .. sm_90
 
 _DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
@@ -63,6 +62,15 @@ class Resources:
     @property
     def fits(self) -> bool:
         return self.shared_bytes <= SHARED_LIMIT.get(self.arch, 48 * 1024)
+
+    def as_row(self) -> dict:
+        """Every field and ``fits``: one CSV row or JSON line."""
+        return asdict(self) | {"fits": self.fits}
+
+
+def compiler_env() -> dict[str, str]:
+    """This process's environment without ``TRITON_INTERPRET``: for a child that must compile."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def _jit_function():
@@ -180,15 +188,14 @@ def _main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # re-run with the compiler
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        return subprocess.call([sys.executable, "-m", "sinkwatch.kernels.triton_aot", *(argv if argv is not None else sys.argv[1:])], env=env)
+        return subprocess.call([sys.executable, "-m", "sinkwatch.kernels.triton_aot", *(argv if argv is not None else sys.argv[1:])], env=compiler_env())
     flags = {"all_rows": {}, "rows": {"rows": True}, "window_softcap": {"window": True, "softcap": True}}
     variants = [Variant(dtype=t, head_dim=d, **flags[f]) for t in args.dtypes for d in args.head_dims for f in args.variants]
     if not args.json:
         print(f"{'arch':>4} {'dtype':>5} {'D':>4} {'variant':>14} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KiB':>8} fits")
     for r in survey(args.arch, variants, first_config_only=args.first_config):
         if args.json:
-            print(json.dumps(asdict(r) | {"fits": r.fits}), flush=True)
+            print(json.dumps(r.as_row()), flush=True)
         else:
             print(
                 f"{r.arch:>4} {r.dtype:>5} {r.head_dim:>4} {r.variant:>14} {r.block_m:>4} {r.block_n:>4} {r.num_warps:>5} "

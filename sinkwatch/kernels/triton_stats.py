@@ -61,7 +61,7 @@ def configs_for(configs, *, float32: bool, n_rows: int | None = None):
     if float32:
         keep = [c for c in keep if c.kwargs["BLOCK_N"] <= 32 or c.kwargs["BLOCK_M"] <= 16]
     if n_rows is not None:
-        tallest = max(16, triton.next_power_of_2(max(int(n_rows), 1)))
+        tallest = _pow2_at_least_16(int(n_rows))
         keep = [c for c in keep if c.kwargs["BLOCK_M"] <= tallest]
     return keep or list(configs)
 
