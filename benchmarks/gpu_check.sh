@@ -21,7 +21,8 @@ unset TRITON_INTERPRET
 timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.txt"
 status=${PIPESTATUS[0]}
 timeout 90 python3 -m pytest -q -p no:cacheprovider \
-  "tests/test_record_vs_eager.py::test_the_triton_kernel_inside_a_real_probe_matches_eager" 2>&1 | tee -a "$OUT/gpu_tests.txt"
+  "tests/test_record_vs_eager.py::test_the_triton_kernel_inside_a_real_probe_matches_eager" \
+  tests/test_kernel_fallback.py 2>&1 | tee -a "$OUT/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # 2. the benchmark, only if the kernel is right (it also checks each backend first)

@@ -21,7 +21,13 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """cuda (this process's GPU under torchrun / accelerate launch: cuda:LOCAL_RANK) if available, else cpu.
+
+    Replay sharded over one process per GPU would otherwise load every shard onto cuda:0."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    local_rank = os.environ.get("LOCAL_RANK")
+    return f"cuda:{int(local_rank) % torch.cuda.device_count()}" if local_rank not in (None, "") else "cuda"
 
 
 def hub_offline() -> bool:

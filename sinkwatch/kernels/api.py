@@ -20,6 +20,7 @@ Returns float32 tensors, never an S x S matrix:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -150,30 +151,61 @@ def attention_stats(
 
     ``backend``: "auto" (Triton on CUDA tensors, the chunked PyTorch path elsewhere), "triton"
     (also on CPU tensors when ``TRITON_INTERPRET=1`` was set before import), "torch", or
-    "reference" (float64, materialising; for tests only).
+    "reference" (float64, materialising; for tests only). If the Triton kernel cannot compile or
+    launch ("auto" or "triton"), the call falls back to the torch path and so does every later
+    call in the process, after one warning.
     """
     backend = resolve_backend(backend, q.device)
     problem = validate(q, k, scaling, rows, cols, n_first, window, softcap)
-    if backend == "torch":
-        from .torch_chunked import attention_stats_torch
-
-        return attention_stats_torch(problem)
     if backend == "reference":
         from .reference import attention_stats_reference
 
         return attention_stats_reference(problem)
-    from .triton_stats import attention_stats_triton
+    if backend == "triton":
+        try:
+            from .triton_stats import attention_stats_triton
 
-    return attention_stats_triton(problem)
+            return attention_stats_triton(problem)
+        except Exception as exc:  # noqa: BLE001 - compile/launch failures: an older GPU, a dtype or driver it lacks
+            _mark_triton_unusable(exc)
+    from .torch_chunked import attention_stats_torch
+
+    return attention_stats_torch(problem)
+
+
+# Why the Triton kernel failed in this process, or None. Set once by the first failure: every later
+# call (and ``resolve_backend``, which names the backend in each record) goes to the torch path, so
+# a probe never mixes the two and a kernel that cannot compile is not recompiled at every layer.
+_triton_failure: str | None = None
+
+
+def _mark_triton_unusable(exc: BaseException) -> None:
+    global _triton_failure
+    if _triton_failure is None:
+        _triton_failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        warnings.warn(
+            f"sinkwatch: the Triton attention-statistics kernel failed ({_triton_failure[:300]}); this process now uses the "
+            "chunked PyTorch path (same statistics, slower; records say stats_backend: torch). backend='torch' silences this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def triton_failure() -> str | None:
+    """Why the Triton kernel was given up in this process (None while it works or was never tried)."""
+    return _triton_failure
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The backend ``attention_stats`` runs for tensors on ``device``: "auto" is Triton on CUDA
-    (when Triton imports) and the chunked PyTorch path elsewhere; any other name is itself."""
+    (when Triton imports) and the chunked PyTorch path elsewhere; any other name is itself, except
+    that "auto" and "triton" both mean "torch" once the kernel failed to compile or launch here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" and _triton_usable() else "torch"
+        backend = "triton" if torch.device(device).type == "cuda" and _triton_usable() else "torch"
+    if backend == "triton" and _triton_failure is not None:
+        return "torch"
     return backend
 
 

@@ -21,6 +21,7 @@ shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -237,11 +238,8 @@ def specialisation(
 def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
     q, k = problem.q, problem.k
     B, Hq, Hkv, S, D, Q, G = problem.shape
-    if not (q.is_cuda or _INTERPRET):
-        raise RuntimeError(
-            "the Triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before importing "
-            "sinkwatch.kernels.triton_stats (slow; for tests), or use backend='torch'"
-        )
+    # CPU tensors without TRITON_INTERPRET=1: Triton's launcher raises (no driver, or a CPU pointer)
+    # and ``attention_stats`` falls back to the torch path after one warning
     if q.dtype == torch.float64:
         q, k = q.float(), k.float()
     out = empty_outputs(problem)
@@ -249,17 +247,20 @@ def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
     rows = problem.rows if problem.rows is not None else dummy[0]
     cols = problem.cols if problem.cols is not None else dummy
     grid = lambda meta: (B * Hq, triton.cdiv(Q, meta["BLOCK_M"]))  # noqa: E731
-    _attention_stats_kernel[grid](
-        q, k, rows, cols,
-        out.lse, out.entropy, out.first, out.gathered,
-        *q.stride(), *k.stride(),
-        rows.stride(0), rows.stride(1),
-        cols.stride(0), cols.stride(1), cols.stride(2),
-        problem.scaling, problem.softcap or 1.0, problem.window or 0,
-        Hq, Hq // Hkv, S, Q, problem.n_first, G,
-        **specialisation(
-            head_dim=D, n_first=problem.n_first, rows=problem.rows is not None,
-            window=problem.window is not None, softcap=problem.softcap is not None, float32=q.dtype == torch.float32,
-        ),
-    )  # fmt: skip
+    # Triton launches on the *current* CUDA device: without the guard, tensors on cuda:1 would be
+    # read through device-0 pointers (``sinkwatch probe --device cuda:1``, one process per GPU)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _attention_stats_kernel[grid](
+            q, k, rows, cols,
+            out.lse, out.entropy, out.first, out.gathered,
+            *q.stride(), *k.stride(),
+            rows.stride(0), rows.stride(1),
+            cols.stride(0), cols.stride(1), cols.stride(2),
+            problem.scaling, problem.softcap or 1.0, problem.window or 0,
+            Hq, Hq // Hkv, S, Q, problem.n_first, G,
+            **specialisation(
+                head_dim=D, n_first=problem.n_first, rows=problem.rows is not None,
+                window=problem.window is not None, softcap=problem.softcap is not None, float32=q.dtype == torch.float32,
+            ),
+        )  # fmt: skip
     return out
