@@ -4,10 +4,15 @@
     trainer = transformers.Trainer(..., callbacks=[SinkWatchTrainerCallback()])
 
 Probes after every ``every_n_steps``-th optimizer step (``on_step_end`` fires once per optimizer
-step, whatever ``gradient_accumulation_steps``), at step 0 and at the end. The natural probe is
-read from the first items of the training dataset (reading items draws no random numbers, so
-training is unchanged). Its state rides in ``TrainerState`` (``ExportableState``) and is restored
-on ``resume_from_checkpoint`` whether or not ``restore_callback_states_from_checkpoint`` is set.
+step, whatever ``gradient_accumulation_steps``), at step 0 and at the end. Trainer callbacks never
+see the batches, so a forward pre-hook on the model reads each training forward's ``input_ids``
+(and ``attention_mask``): the natural probe is frozen from the first micro-batch the trainer
+actually feeds — map-style or streaming (``IterableDataset``) data alike; sinkwatch never reads
+dataset items itself — and tokens are counted from every batch fed (or taken from the Trainer's own
+``num_input_tokens_seen`` when ``include_num_input_tokens_seen`` is on). The step-0 probe then runs
+in ``on_pre_optimizer_step`` of the first step: after the first batch was read, before any weight
+changed. Its state rides in ``TrainerState`` (``ExportableState``) and is restored on
+``resume_from_checkpoint`` whether or not ``restore_callback_states_from_checkpoint`` is set.
 """
 
 from __future__ import annotations
@@ -40,22 +45,6 @@ _JSON_OPTIONS = (
 )
 
 
-def _dataset_ids(dataset, n_items: int) -> torch.Tensor | None:
-    """(rows, T) ids from the first dataset items that hold equal-length ``input_ids``."""
-    rows = []
-    try:
-        for i in range(min(n_items, len(dataset))):
-            item = dataset[i]
-            ids = item["input_ids"] if isinstance(item, dict) or hasattr(item, "keys") else item
-            rows.append(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
-    except Exception:  # noqa: BLE001 - an exotic dataset only loses the natural probe
-        return None
-    if not rows:
-        return None
-    T = min(r.numel() for r in rows)
-    return torch.stack([r[:T] for r in rows])
-
-
 class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
     """Watch attention sinks and induction heads form during ``Trainer.train``.
 
@@ -74,7 +63,8 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.config = LiveConfig.from_kwargs(kwargs)
         self.live = LiveMonitor(self.config)
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
-        self._tokens_per_step: int | None = None  # estimated from the dataset at train begin
+        self._hook = None  # the forward pre-hook that reads training batches
+        self._step0_pending = False  # the step-0 probe waits for the first batch (natural probe)
         if not restored:
             _latest = weakref.ref(self)
 
@@ -84,41 +74,93 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         return {"args": {"_restored": True, **options}, "attributes": {"sinkwatch_state": self.live.state_dict()}}
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        refuse_zero3(args, model)
         self.live.setup(
             model,
             is_global_zero=state.is_world_process_zero,
             probes_here=state.is_world_process_zero or is_fsdp(model),
             max_steps=state.max_steps,
-            world_size=args.world_size,
+            world_size=data_parallel_size(args),
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
         )
-        dataset = getattr(train_dataloader, "dataset", None)
-        ids = _dataset_ids(dataset, self.config.natural_n) if dataset is not None else None
-        if ids is not None:
-            self.live.batch_start({"input_ids": ids})  # ignored when resuming: the saved probe wins
-            self._tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * ids.shape[1]
+        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = model.register_forward_pre_hook(self._read_batch, with_kwargs=True)
         saved = self.sinkwatch_state or _saved_state(state, type(self).__name__)
-        if saved is not None:
+        if saved is not None and saved.get("last_probed_step") is not None:  # not the fresh state TrainerState collects at init
             self.live.load_state_dict(saved)
         if state.global_step == 0:
+            # the natural probe is part of every record, step 0 included: probe once the first batch is read
+            self._step0_pending = self.live.natural is None and self.config.natural and self.config.probes is None
+            if not self._step0_pending:
+                self.live.step_end(0)
+
+    def _read_batch(self, module, args, kwargs):
+        """Forward pre-hook: the first training batch freezes the natural probe; every one is counted."""
+        if not module.training:  # evaluation, generation, or sinkwatch's own probe (eval mode)
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None and args and isinstance(args[0], torch.Tensor):
+            ids = args[0]
+        if isinstance(ids, torch.Tensor):
+            batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
+            self.live.batch_start(batch)
+            if not self._trainer_counts_tokens:
+                self.live.batch_end(batch)
+        return None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._step0_pending and state.global_step == 0:  # weights still the initial ones
+            self._step0_pending = False
             self.live.step_end(0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.live.tokens_seen = self._tokens(state)
+        self._sync_tokens(state)
         self.live.step_end(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.live.tokens_seen = self._tokens(state)
+        self._sync_tokens(state)
         self.live.train_end(state.global_step)
         self.live.finish()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
-    def _tokens(self, state) -> int:
-        seen = getattr(state, "num_input_tokens_seen", 0) or 0
-        if seen:
-            return int(seen)
-        if self._tokens_per_step is not None:
-            return state.global_step * self._tokens_per_step
-        return self.live.tokens_seen
+    def _sync_tokens(self, state) -> None:
+        if self._trainer_counts_tokens:  # the Trainer's own count, gathered over ranks (restored on resume)
+            self.live.count_tokens_total(int(getattr(state, "num_input_tokens_seen", 0) or 0))
+
+
+def data_parallel_size(args) -> int:
+    """Ranks that read distinct batches: the world size divided by the tensor- (and context-)
+    parallel degrees of ``TrainingArguments.parallelism_config`` (accelerate's ParallelismConfig),
+    when set. Ranks of one tensor-parallel group read the same batch, so counting them would
+    multiply the tokens by the TP degree."""
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    pc = getattr(args, "parallelism_config", None)
+    split = 1
+    for name in ("tp_size", "cp_size"):
+        split *= max(1, int(getattr(pc, name, 1) or 1)) if pc is not None else 1
+    return max(1, world // split)
+
+
+def refuse_zero3(args, model) -> None:
+    """DeepSpeed ZeRO-3 partitions every parameter; a probe forward on rank 0 alone would wait
+    forever in DeepSpeed's all-gather. Refuse at train begin, with what to do instead."""
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters()) if model is not None else False
+    ds_config = getattr(args, "hf_deepspeed_config", None)
+    if ds_config is not None and hasattr(ds_config, "is_zero3"):
+        zero3 = zero3 or bool(ds_config.is_zero3())
+    plugin = getattr(getattr(getattr(args, "_accelerator_state", None), "deepspeed_plugin", None), "zero_stage", None)
+    zero3 = zero3 or plugin == 3
+    if zero3:
+        raise ValueError(
+            "sinkwatch cannot probe a DeepSpeed ZeRO-3 model live: its parameters are partitioned and a probe on "
+            "one rank would hang in DeepSpeed's all-gather. Use ZeRO stage 1 or 2 (rank 0 probes its full copy), "
+            "FSDP/FSDP2 through accelerate (every rank probes together), or save checkpoints and probe them "
+            "afterwards with `sinkwatch replay` / `sinkwatch probe`."
+        )
 
 
 def _saved_state(state, name: str) -> dict | None:

@@ -32,6 +32,14 @@ def _wandb_run(trainer):
     return None
 
 
+def data_parallel_size(trainer) -> int:
+    """Ranks that read distinct batches: the strategy's sampler replicas (DDP/FSDP: the world size;
+    ModelParallelStrategy: the data-parallel mesh, so tensor-parallel peers, which read the same
+    batch, count once)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return max(1, int(kwargs.get("num_replicas", trainer.world_size) or 1))
+
+
 class SinkWatchCallback(Callback):
     """Watch attention sinks and induction heads form during ``Trainer.fit``.
 
@@ -56,7 +64,7 @@ class SinkWatchCallback(Callback):
             is_global_zero=trainer.is_global_zero,
             probes_here=trainer.is_global_zero or is_fsdp(trainer.strategy.model or pl_module),
             max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
-            world_size=trainer.world_size,
+            world_size=data_parallel_size(trainer),
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
         )
 

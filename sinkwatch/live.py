@@ -114,6 +114,46 @@ def input_ids_of(batch) -> torch.Tensor | None:
     return ids
 
 
+def attention_mask_of(batch, ids: torch.Tensor) -> torch.Tensor | None:
+    """The batch's (B, T) ``attention_mask`` (1 = real token), when it has one of the ids' shape."""
+    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        return mask
+    return None
+
+
+def natural_windows(
+    ids: torch.Tensor, seq_len: int, n: int, *, attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None
+) -> torch.Tensor:
+    """Up to ``n`` windows (m, seq_len) of real tokens from a (B, T) training batch, spread over its rows.
+
+    Each row's real tokens (``attention_mask`` 1; without a mask, the row minus any leading or
+    trailing run of ``pad_token_id``, i.e. left or right padding) are cut into consecutive
+    non-overlapping windows; windows are then taken round-robin, row 0's first, row 1's first, ...,
+    row 0's second, ..., so a (8, 2048) batch gives 32 windows from all 8 rows, not 32 from row 0.
+    """
+    ids = ids.detach().to("cpu", torch.int64)  # (B, T)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    if attention_mask is not None:
+        keep = attention_mask.detach().to("cpu") != 0
+    elif pad_token_id is not None:
+        is_pad = ids == int(pad_token_id)
+        real = ~is_pad
+        # a position is padding when every token before it, or every token after it, is padding
+        keep = (real.cumsum(1) > 0) & (real.flip(1).cumsum(1).flip(1) > 0)
+    per_row = []
+    for row, ok in zip(ids, keep):
+        tokens = row[ok]
+        m = tokens.numel() // seq_len
+        per_row.append(tokens[: m * seq_len].view(m, seq_len))
+    picked = []
+    for j in range(max((w.shape[0] for w in per_row), default=0)):
+        for w in per_row:
+            if j < w.shape[0] and len(picked) < n:
+                picked.append(w[j])
+    return torch.stack(picked) if picked else torch.empty(0, seq_len, dtype=torch.int64)
+
+
 class _NoProbe:
     """What non-probing ranks do at a probe step (decided once, at setup)."""
 
@@ -135,6 +175,7 @@ class LiveMonitor:
         self._probe_step = _NoProbe()
         self.natural: ProbeSet | None = None
         self.tokens_seen = 0
+        self.tokens_counted = False  # whether any batch was counted (else tokens are unknown, not 0)
         self.last_probed_step: int | None = None
         self.n_probes = 0
         self.max_steps: int | None = None
@@ -146,6 +187,7 @@ class LiveMonitor:
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
+        self.is_global_zero = True
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(
@@ -163,6 +205,7 @@ class LiveMonitor:
         self.world_size = max(1, int(world_size))
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
+        self.is_global_zero = bool(is_global_zero)
         if is_global_zero:
             self.reporter = self._make_reporters(wandb_run)
         self._probe_step = self._probe if probes_here else _NoProbe()
@@ -221,28 +264,48 @@ class LiveMonitor:
         if self.natural is None and self.monitor is None and self.config.natural and self.config.probes is None:
             ids = input_ids_of(batch)
             if ids is not None:
-                self.natural = self._freeze_natural(ids)
+                self.natural = self._freeze_natural(ids, attention_mask_of(batch, ids))
 
     def batch_end(self, batch) -> None:
-        """After each training micro-batch: count its tokens (all ranks' batches, assumed equal)."""
+        """After each training micro-batch: count its tokens (every data-parallel rank's batch,
+        assumed equal; ``world_size`` is the data-parallel size, so tensor-parallel peers reading
+        the same batch are not counted twice)."""
         if self.config.tokens_per_step is None:
             ids = input_ids_of(batch)
             if ids is not None:
                 self.tokens_seen += ids.numel() * self.world_size
+                self.tokens_counted = True
 
-    def _freeze_natural(self, ids: torch.Tensor) -> ProbeSet | None:
+    def count_tokens_total(self, total: int) -> None:
+        """A trainer's own count of the tokens seen so far, all ranks together."""
+        if self.config.tokens_per_step is None and total > 0:
+            self.tokens_seen = int(total)
+            self.tokens_counted = True
+
+    def _freeze_natural(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> ProbeSet | None:
         cfg = self.config
         T = min(cfg.natural_seq_len, ids.shape[1], self.target.context or ids.shape[1])
-        stream = ids.detach().to("cpu", torch.int64).reshape(-1)
-        n = min(cfg.natural_n, stream.numel() // T)
-        if n < 1:
+        pad_id = getattr(getattr(self.target.module, "config", None), "pad_token_id", None) if attention_mask is None else None
+        windows = natural_windows(ids, T, cfg.natural_n, attention_mask=attention_mask, pad_token_id=pad_id)
+        if windows.shape[0] < 1:
             self._warn("natural", "sinkwatch: the first training batch is too short for natural windows; natural probe skipped")
             return None
-        return make_natural_probe(stream, n=n, seq_len=T, source="first training batch")
+        return make_natural_probe(windows, n=windows.shape[0], seq_len=T, source="first training batch")
 
-    def tokens_at(self, step: int) -> int:
+    def tokens_at(self, step: int) -> int | None:
+        """Tokens seen by ``step``; None (recorded as null, one warning) when no batch could be counted."""
         if self.config.tokens_per_step is not None:
             return step * self.config.tokens_per_step
+        if step == 0:
+            return 0  # the initial model, whatever batches were read to freeze the natural probe
+        if not self.tokens_counted:
+            self._warn(
+                "tokens",
+                "sinkwatch: no training batch held (B, T) input_ids, so tokens cannot be counted; records say tokens: null. "
+                "Pass tokens_per_step=... (tokens per optimizer step, all ranks), or for the HF Trainer "
+                "TrainingArguments(include_num_input_tokens_seen=True).",
+            )
+            return None
         return self.tokens_seen
 
     def is_due(self, step: int) -> bool:
@@ -298,7 +361,7 @@ class LiveMonitor:
         for event in snap.events:
             ev = event.to_dict()
             self.reporter.log_event(ev)
-            if self.config.on_event is not None:
+            if self.config.on_event is not None and self.is_global_zero:  # FSDP: every rank probes, one calls the hook
                 try:
                     self.config.on_event(ev)
                 except Exception as exc:  # noqa: BLE001
@@ -343,6 +406,7 @@ class LiveMonitor:
         if state.get("natural_tokens") is not None:
             self.natural = ProbeSet("natural", torch.tensor(state["natural_tokens"]), {}, state["natural_params"])
         self.tokens_seen = int(state.get("tokens_seen") or 0)
+        self.tokens_counted = self.tokens_counted or self.tokens_seen > 0
         self.last_probed_step = state.get("last_probed_step")
         self.n_probes = int(state.get("n_probes") or 0)
         self._probe_hashes = state.get("probe_hashes")

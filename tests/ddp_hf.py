@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import planted  # noqa: E402
 import torch  # noqa: E402
-from ddp_lightning import PROBES, dataset  # noqa: E402
+from ddp_lightning import PROBES, dataset, user_hooks  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from sinkwatch.hf import SinkWatchTrainerCallback  # noqa: E402
@@ -26,7 +26,7 @@ from sinkwatch.hf import SinkWatchTrainerCallback  # noqa: E402
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
     torch.set_num_threads(1)
-    cb = SinkWatchTrainerCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
+    cb = SinkWatchTrainerCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out))
     args = TrainingArguments(
         output_dir=os.path.join(out, "trainer"), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-3,
         use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", logging_steps=5, seed=0,

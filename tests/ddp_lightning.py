@@ -21,6 +21,7 @@ from train_helpers import LitLM  # noqa: E402
 
 from sinkwatch import InductionProbe, RepeatedRandomProbe  # noqa: E402
 from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
+from sinkwatch.reporting.base import Reporter  # noqa: E402
 
 PROBES = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 
@@ -36,6 +37,35 @@ def dataset() -> list[dict]:
     return [{"input_ids": t, "labels": t} for t in tokens]
 
 
+class RankFiles(Reporter):
+    """A user reporter and ``on_event`` hook that append what they receive to OUT/hooks/<what>-rank<R>.jsonl,
+    so the test sees which ranks called them."""
+
+    def __init__(self, out: str):
+        self.dir = os.path.join(out, "hooks")
+
+    def _append(self, what: str, item: dict) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, f"{what}-rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": item.get("step")}) + "\n")
+
+    def log_record(self, record: dict) -> None:
+        self._append("reporter", record)
+
+    def on_event(self, event: dict) -> None:
+        self._append("on_event", event)
+
+
+def user_hooks(out: str) -> dict:
+    files = RankFiles(out)
+    return {"on_event": files.on_event, "reporters": [files]}
+
+
 def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
     """Two CPU processes train ``make_lit()`` for 10 steps (batch 4 per rank) under ``strategy``,
     with the callback probing every 5 steps."""
@@ -43,7 +73,7 @@ def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     lit = make_lit()
-    cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False)
+    cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=10, callbacks=[cb], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

@@ -80,3 +80,12 @@ def test_ddp_logs_and_alerts_once(ddp_run):
     assert [(e["previous"], e["stage"]) for e in events] == [("none", "final")]
     runs = list((ddp_run / "sw" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1  # one W&B run: only global rank 0 reports
+
+
+def test_user_hooks_and_reporters_run_on_global_rank_zero_only(ddp_run):
+    # FSDP2: every rank probes, so every rank sees the events; only rank 0 may call the user's code
+    hooks = sorted(p.name for p in (ddp_run / "hooks").iterdir())
+    assert hooks == ["on_event-rank0.jsonl", "reporter-rank0.jsonl"], hooks
+    events = [e["step"] for e in read_jsonl(ddp_run / "sw" / "events.jsonl")]
+    assert [e["step"] for e in read_jsonl(ddp_run / "hooks" / "on_event-rank0.jsonl")] == events and events
+    assert [r["step"] for r in read_jsonl(ddp_run / "hooks" / "reporter-rank0.jsonl")] == [0, 5, 10]
