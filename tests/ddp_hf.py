@@ -26,7 +26,9 @@ from sinkwatch.hf import SinkWatchTrainerCallback  # noqa: E402
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
     torch.set_num_threads(1)
-    cb = SinkWatchTrainerCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out))
+    cb = SinkWatchTrainerCallback(
+        every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out)
+    )
     args = TrainingArguments(
         output_dir=os.path.join(out, "trainer"), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-3,
         use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", logging_steps=5, seed=0,

@@ -73,7 +73,9 @@ def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     lit = make_lit()
-    cb = SinkWatchCallback(every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out))
+    cb = SinkWatchCallback(
+        every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out)
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=10, callbacks=[cb], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

@@ -20,7 +20,7 @@ def padded_rows(n: int = 64, length: int = 48, seed: int = 0) -> list[dict]:
     with PAD to ``length`` at a different real length per row, with an attention mask."""
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for r in range(n):
+    for _ in range(n):
         real = 24 + int(torch.randint(0, length - 24 + 1, (1,), generator=g))
         ids = torch.full((length,), PAD, dtype=torch.int64)
         ids[:real] = torch.randint(2, 250, (real,), generator=g)
@@ -91,7 +91,9 @@ def hf_args(tmp_path, **kw):
 def test_hf_natural_probe_and_tokens_from_the_batches_the_trainer_feeds(tmp_path, streaming):
     data = padded_rows()
     every_row = torch.stack([d["input_ids"] for d in data]), torch.stack([d["attention_mask"] for d in data])
-    cb = SinkWatchTrainerCallback(every_n_steps=3, natural_n=8, natural_seq_len=16, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    cb = SinkWatchTrainerCallback(
+        every_n_steps=3, natural_n=8, natural_seq_len=16, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False
+    )
     dataset = Stream(data) if streaming else data
     Trainer(model=build("llama"), args=hf_args(tmp_path), train_dataset=dataset, callbacks=[cb]).train()
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
