@@ -9,6 +9,8 @@ state a resumed run needs. It never lets a failure reach the training loop unles
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import warnings
@@ -188,6 +190,8 @@ class LiveMonitor:
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
         self.is_global_zero = True
+        self.config_hash: str | None = None  # probe hashes + thresholds the records are made with
+        self.tracker_since_step = 0  # the step the stage tracker's current segment started at
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(
@@ -353,6 +357,8 @@ class LiveMonitor:
         self.last_probed_step = step
         self.n_probes += 1
         record = snap.to_record()
+        record["config_hash"] = self.config_hash
+        record["tracker_since_step"] = self.tracker_since_step
         if _has_non_finite(snap.values):
             self._warn(
                 "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
@@ -378,10 +384,8 @@ class LiveMonitor:
 
     # ---- resume --------------------------------------------------------------------------------
     def _check_probe_hashes(self) -> None:
-        hashes = self.monitor.probe_hashes(self.target.vocab_size)
-        if self._probe_hashes is not None and self._probe_hashes != hashes:
-            raise ValueError(f"probe sets changed on resume ({self._probe_hashes} -> {hashes}); records would not be comparable")
-        self._probe_hashes = hashes
+        self._probe_hashes = self.monitor.probe_hashes(self.target.vocab_size)
+        self.config_hash = config_hash(self._probe_hashes, self.monitor.config)
 
     def state_dict(self) -> dict:
         """JSON-able state: probe hashes, natural tokens, tracker, counters."""
@@ -395,6 +399,8 @@ class LiveMonitor:
             "last_probed_step": self.last_probed_step,
             "tokens_seen": self.tokens_seen,
             "n_probes": self.n_probes,
+            "config_hash": self.config_hash,
+            "tracker_since_step": self.tracker_since_step,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -409,17 +415,47 @@ class LiveMonitor:
         self.tokens_counted = self.tokens_counted or self.tokens_seen > 0
         self.last_probed_step = state.get("last_probed_step")
         self.n_probes = int(state.get("n_probes") or 0)
-        self._probe_hashes = state.get("probe_hashes")
+        saved_hashes = state.get("probe_hashes")
         self.monitor = self._build_monitor()
         self._check_probe_hashes()
-        if state.get("tracker") is not None:
-            self.monitor.tracker.load_state_dict(state["tracker"])
+        tracker = state.get("tracker")
+        changed = []
+        if saved_hashes is not None and saved_hashes != self._probe_hashes:
+            changed.append(f"probes {saved_hashes} -> {self._probe_hashes}")
+        if tracker is not None and tracker.get("config") != self.monitor.config.stages.to_dict():
+            changed.append("stage thresholds")
+        if changed:
+            # the monitor never stops the run: earlier records stay as written (each carries the
+            # config_hash that made it); the tracker starts over under the new configuration
+            self.tracker_since_step = self.last_probed_step or 0
+            self._warn(
+                "resume-config",
+                f"sinkwatch: resumed at step {self.last_probed_step} with changed {' and '.join(changed)}; earlier records are kept "
+                f"(config_hash {state.get('config_hash')}), and the stage tracker starts a new segment at step "
+                f"{self.tracker_since_step} (config_hash {self.config_hash}; records carry config_hash and tracker_since_step)",
+            )
+        else:
+            self.tracker_since_step = int(state.get("tracker_since_step") or 0)
+            if tracker is not None:
+                self.monitor.tracker.load_state_dict(tracker)
         if self.jsonl is not None:
             moved = self.jsonl.rewind(self.last_probed_step)
             if moved:
                 self._warn(
                     "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
                 )
+
+
+def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:
+    """12 hex digits naming what makes records comparable: the probe sets' hashes, the stage
+    thresholds and the metric settings (K, epsilon)."""
+    payload = {
+        "probes": dict(sorted(probe_hashes.items())),
+        "stages": monitor_config.stages.to_dict(),
+        "n_first": monitor_config.n_first,
+        "sink_epsilon": monitor_config.sink_epsilon,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def fsdp_full_params(module) -> Callable[[], contextlib.AbstractContextManager]:
