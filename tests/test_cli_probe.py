@@ -48,8 +48,9 @@ def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "attention sinks" in printed and "induction heads" in printed and "prefix matching" in printed
     record = json.loads(out.read_text())
-    missing = [k for k in RECORD_KEYS if k not in record and k not in ("p0_stage", "induction_state")]
-    assert not missing, missing
+    missing = [k for k in RECORD_KEYS if k not in record]
+    assert not missing, missing  # p0_stage / induction_state too (SPEC §10: the rules applied to this probe alone)
+    assert (record["p0_stage"], record["induction_state"]) == (record["p0_stage_now"], record["induction_state_now"])
     assert record["probe"] == "natural+induction+repeated"
     assert record["n_layers"] == 2 and record["n_heads"] == 4
     assert record["p0_stage_now"] in ("none", "early", "transitional", "final")

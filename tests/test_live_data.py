@@ -106,3 +106,30 @@ def test_hf_natural_probe_and_tokens_from_the_batches_the_trainer_feeds(tmp_path
     assert len(set(sources)) == 8  # one window from each row of the first batch fed
     if streaming:  # no sampler: the first batch is the stream's first 8 rows
         assert sorted(sources) == list(range(8))
+
+
+class RandomCrop(torch.utils.data.Dataset):
+    """A map-style dataset with a random transform: each item read draws from torch's global RNG."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        shift = int(torch.randint(0, 8, (1,)))
+        ids = torch.roll(self.rows[i]["input_ids"], shift)
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_hf_callback_never_reads_dataset_items(tmp_path):
+    # reading items outside the training loop would draw the transform's random numbers and shift training
+    def losses(with_cb: bool) -> list[float]:
+        cbs = [SinkWatchTrainerCallback(every_n_steps=3, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)] if with_cb else []
+        data = RandomCrop(padded_rows())
+        t = Trainer(model=build("llama", seed=3), args=hf_args(tmp_path, max_steps=4), train_dataset=data, callbacks=cbs)
+        t.train()
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+    assert losses(False) == losses(True)
