@@ -7,7 +7,7 @@ Probes after every ``every_n_steps``-th optimizer step (de-duplicated on ``train
 the batch-end hook fires per micro-batch), at step 0 and at the end. Strategies: single device,
 DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
-FSDP (every rank probes together inside ``summon_full_params``; needs GPUs, see docs/live.md).
+FSDP v1 (every rank probes together inside ``summon_full_params``; untested, and see docs/live.md for its known defect).
 Only global rank 0 reports.
 """
 
