@@ -25,6 +25,15 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider \
   tests/test_kernel_fallback.py 2>&1 | tee -a "$OUT/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# 1b. FSDP v1 through Lightning's FSDPStrategy (GPU only) gathers through the root wrapper: needs 2 GPUs
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  fsdp_out=$(mktemp -d)
+  timeout 240 python3 tests/fsdp1_lightning.py "$fsdp_out" > "$OUT/gpu_fsdp1.txt" 2>&1 \
+    && timeout 60 python3 tests/fsdp1_lightning.py --check "$fsdp_out" 2>&1 | tee -a "$OUT/gpu_fsdp1.txt" || status=1
+else
+  echo "FSDP v1 Lightning run skipped: needs 2 GPUs" | tee "$OUT/gpu_fsdp1.txt"
+fi
+
 # 2. the benchmark, only if the kernel is right (it also checks each backend first)
 if [ "$status" -eq 0 ]; then
   timeout 240 python3 benchmarks/bench_attention_stats.py --repeat 10 --csv "$OUT/bench_attention_stats.csv" 2>&1 | tee "$OUT/bench_attention_stats.txt"

@@ -7,7 +7,7 @@ Probes after every ``every_n_steps``-th optimizer step (de-duplicated on ``train
 the batch-end hook fires per micro-batch), at step 0 and at the end. Strategies: single device,
 DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
-FSDP v1 (every rank probes together inside ``summon_full_params``; untested, and see docs/live.md for its known defect).
+FSDP v1 (every rank probes together inside ``summon_full_params`` on the strategy's root wrapper).
 Only global rank 0 reports.
 """
 
@@ -65,6 +65,7 @@ class SinkWatchCallback(Callback):
             probes_here=trainer.is_global_zero or is_fsdp(trainer.strategy.model or pl_module),
             max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
             world_size=data_parallel_size(trainer),
+            root=trainer.strategy.model,  # FSDP: the root wrapper sits around the LightningModule
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
         )
 

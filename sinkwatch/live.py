@@ -195,17 +195,26 @@ class LiveMonitor:
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(
-        self, model, *, is_global_zero: bool, probes_here: bool, max_steps: int | None = None, world_size: int = 1, wandb_run=None
+        self,
+        model,
+        *,
+        is_global_zero: bool,
+        probes_here: bool,
+        max_steps: int | None = None,
+        world_size: int = 1,
+        wandb_run=None,
+        root=None,
     ) -> None:
         """At fit start. Resolves the model (a clear error now, never mid-run), picks reporters on
         the logging rank and a no-op elsewhere, and whether this rank probes (decided once).
 
         DDP: only global rank 0 probes, the bare module (the DDP wrapper would wait for the other
         ranks and hang). FSDP: every rank probes together, inside ``summon_full_params`` on the
-        root wrapper so the inner model's forward sees whole parameters. FSDP2 (``fully_shard``):
+        root wrapper so the inner model's forward sees whole parameters: ``root`` is the module the
+        strategy wrapped (Lightning puts it around the LightningModule, outside ``model``). FSDP2 (``fully_shard``):
         every rank probes together; each sharded module all-gathers its parameters in its forward."""
         self.target = resolve_target(model)
-        self._full_params = fsdp_full_params(model)
+        self._full_params = fsdp_full_params(root if root is not None else model)
         self.world_size = max(1, int(world_size))
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
@@ -478,12 +487,31 @@ def _fsdp_kind(module) -> tuple[str | None, Callable[[], contextlib.AbstractCont
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover - torch without distributed
         return None, contextlib.nullcontext
-    v1 = [m for m in module.modules() if isinstance(m, FSDP)]
-    if v1:
-        return "fsdp", lambda: FSDP.summon_full_params(v1[0], writeback=False, recurse=True)
+    units = _outermost(module, FSDP)
+    if units:
+        # every sharded parameter lives in one of the outermost units (the root, when ``module`` is
+        # the strategy's wrapper); gathering an inner unit alone would leave the rest sharded, and
+        # touching it before the root would make FSDP take it for the root
+        def gather() -> contextlib.AbstractContextManager:
+            stack = contextlib.ExitStack()
+            for unit in units:
+                stack.enter_context(FSDP.summon_full_params(unit, writeback=False, recurse=True))
+            return stack
+
+        return "fsdp", gather
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         return "fsdp2", contextlib.nullcontext
     return None, contextlib.nullcontext
+
+
+def _outermost(module, kind) -> list:
+    """The instances of ``kind`` in ``module`` (itself included) that no other instance contains."""
+    if isinstance(module, kind):
+        return [module]
+    found = []
+    for child in module.children():
+        found.extend(_outermost(child, kind))
+    return found
 
 
 def _has_non_finite(values: dict) -> bool:

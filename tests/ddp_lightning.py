@@ -66,7 +66,7 @@ def user_hooks(out: str) -> dict:
     return {"on_event": files.on_event, "reporters": [files]}
 
 
-def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
+def fit(out: str, make_lit, strategy, accelerator: str = "cpu") -> tuple[pl.Trainer, pl.LightningModule]:
     """Two CPU processes train ``make_lit()`` for 10 steps (batch 4 per rank) under ``strategy``,
     with the callback probing every 5 steps."""
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails with stacks, not a stalled CI
@@ -77,7 +77,7 @@ def fit(out: str, make_lit, strategy) -> tuple[pl.Trainer, pl.LightningModule]:
         every_n_steps=5, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="offline", console=False, **user_hooks(out)
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=10, callbacks=[cb], logger=False,
+        accelerator=accelerator, devices=2, strategy=strategy, max_steps=10, callbacks=[cb], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )
     trainer.fit(lit, torch.utils.data.DataLoader(dataset(), batch_size=4))
