@@ -38,8 +38,6 @@ def main(out: str) -> None:
         model.save_pretrained(os.path.join(out, "final"))
 
 
-
-
 def check(out: str) -> None:
     """The records equal a single-process probe of the saved final weights (as test_distributed does)."""
     import numpy as np
