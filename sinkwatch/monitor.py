@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -118,6 +119,8 @@ class Monitor:
             for s in sets:
                 out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
                 values.update(out)
+                if s.kind == "natural":
+                    values.update(self._bos_free_circuit(target, s))
         values["probe_seconds"] = time.perf_counter() - t0
         values["stats_backend"] = resolve_backend(self.config.backend, next(target.module.parameters()).device)  # provenance
         snap = Snapshot(
@@ -139,6 +142,29 @@ class Monitor:
             keys = ("p0_stage_now", "induction_state_now")
         snap.values.update({k: record[k] for k in keys})
         return snap
+
+    def _bos_free_circuit(self, target: ProbeTarget, natural: ProbeSet) -> dict:
+        """The circuit keys when every natural window starts with the same token (a BOS).
+
+        Direction consistency compares h_l[0] across sequences whose first tokens differ; with one
+        shared first token there is no such pair (NaN) and never a circuit layer. The BOS-free twin
+        — the same windows without their first token (SPEC §3) — then decides ``p0_norm_ratio``,
+        ``p0_direction_consistency`` and ``circuit_layer``; sink keys stay those of the windows as
+        given, and ``circuit_source: natural_bos_free_twin`` says so (docs/stages.md)."""
+        first = natural.tokens[:, 0]
+        if natural.n < 2 or not bool((first == first[0]).all()):
+            return {}  # the windows themselves decide (no circuit_source key: records stay as before)
+        twin = ProbeSet("natural", natural.tokens[:, 1:].clone(), {}, {**natural.params, "bos_free_twin": True})
+        out, _ = self._run(target, twin, with_sinks=True)
+        if not bool((twin.tokens[:, 0] != twin.tokens[0, 0]).any()):
+            warnings.warn(
+                "sinkwatch: every natural window starts with the same two tokens; the P0 circuit layer (and so the P0 stage "
+                "beyond 'early') is undecidable: use natural windows from varied text",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        keys = ("p0_norm_ratio", "p0_direction_consistency", "circuit_layer")
+        return {**{k: out[k] for k in keys}, "circuit_source": "natural_bos_free_twin"}
 
     def _batches(self, probe: ProbeSet) -> Iterable[slice]:
         size = max(1, self.config.batch_tokens // probe.seq_len)
