@@ -107,3 +107,12 @@ def test_fsdp_v1_probe_gathers_through_the_root_wrapper(tmp_path):
         for key in ("sink_alpha", "pr", "induction_score", "p0_norm_ratio", "sink_profile"):
             got, want = np.array(rec[key], dtype=float), np.array(single[key], dtype=float)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_tensor_parallel_peers_count_their_shared_batch_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "WANDB_MODE": "offline"}
+    cmd = [sys.executable, str(HERE / "tp_lightning.py"), str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["tokens"] for r in records] == [0, 5 * 4 * 32, 10 * 4 * 32]  # step x batch x length, data-parallel size 1
