@@ -5,7 +5,6 @@ marked with the configuration that made it (``config_hash``)."""
 import warnings
 
 import planted
-import pytest
 import torch
 from test_lightning import PlantedLit
 from train_helpers import trainer
@@ -15,14 +14,11 @@ from sinkwatch.lightning import SinkWatchCallback
 from sinkwatch.reporting.jsonl import read_jsonl
 
 BEFORE = dict(probes=[InductionProbe(n=8, seq_len=64)])
-AFTER = {
-    "stages": dict(probes=[InductionProbe(n=8, seq_len=64)], stages=StageConfig(patience=3, circuit_min_norm_ratio=4.0)),
-    "probes": dict(probes=[InductionProbe(n=12, seq_len=64)]),
-}
+# recalibrated thresholds (docs/stages.md) and a larger probe, as one resume
+AFTER = dict(probes=[InductionProbe(n=12, seq_len=64)], stages=StageConfig(patience=3, circuit_min_norm_ratio=4.0))
 
 
-@pytest.mark.parametrize("change", sorted(AFTER))
-def test_resume_with_changed_configuration_starts_a_new_segment(tmp_path, change):
+def test_resume_with_changed_thresholds_and_probes_starts_a_new_segment(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = tmp_path / "sw"
@@ -36,7 +32,7 @@ def test_resume_with_changed_configuration_starts_a_new_segment(tmp_path, change
     assert [r["step"] for r in first] == [0, 5, 10]
     assert [e["step"] for e in read_jsonl(out / "events.jsonl")] == [5]  # none -> final under the first configuration
 
-    cb = SinkWatchCallback(**common, **AFTER[change])
+    cb = SinkWatchCallback(**common, **AFTER)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path, [cb], max_steps=25).fit(
@@ -50,9 +46,8 @@ def test_resume_with_changed_configuration_starts_a_new_segment(tmp_path, change
     assert {r["config_hash"] for r in records[:3]} == {old_hash} and {r["config_hash"] for r in records[3:]} == {new_hash}
     assert [r["tracker_since_step"] for r in records] == [0, 0, 0, 10, 10, 10]
     notes = [str(w.message) for w in caught if "new segment" in str(w.message)]
-    assert len(notes) == 1 and "step 10" in notes[0], notes
-    # the new segment's tracker starts from none and declares under the new rules (patience 3 or 2)
-    patience = 3 if change == "stages" else 2
+    assert len(notes) == 1 and "step 10" in notes[0] and "probes" in notes[0] and "thresholds" in notes[0], notes
+    # the new segment's tracker starts from none and declares under the new rules (patience 3: at step 25)
     events = read_jsonl(out / "events.jsonl")
-    assert [e["step"] for e in events] == [5, 15 + 5 * (patience - 1)]
+    assert [e["step"] for e in events] == [5, 25]
     assert records[3]["p0_stage"] == "none" and records[-1]["p0_stage"] == "final"
