@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -22,15 +21,16 @@ import numpy as np
 import torch
 
 from .capture import ProbeTarget, preserved_rng, resolve_target
+from .distributed import RankFacts, fsdp_full_params, rank_facts
 from .monitor import Monitor, MonitorConfig
 from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
 from .reporting.console import ConsoleReporter
 from .reporting.jsonl import JSONLReporter
+from .reporting.wandb_run import WANDB_MODES
 from .stages import StageConfig
 
 STATE_VERSION = 1
-WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +92,18 @@ class LiveConfig:
             base = kwargs.get("monitor", MonitorConfig())
             kwargs["monitor"] = MonitorConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, "stages": stages})
         return cls(**kwargs)
+
+    @classmethod
+    def with_overrides(cls, config: LiveConfig | None, overrides: dict) -> LiveConfig:
+        """What a callback's ``(config, **overrides)`` means: ``config`` (default: all defaults)
+        with the keyword options replacing its fields (``stages=`` as in ``from_kwargs``)."""
+        if config is None:
+            return cls.from_kwargs(overrides)
+        if not isinstance(config, LiveConfig):
+            raise TypeError(f"config must be a sinkwatch.live.LiveConfig (or None), got {type(config).__name__}")
+        if not overrides:
+            return config
+        return cls.from_kwargs({**{f.name: getattr(config, f.name) for f in fields(cls)}, **overrides})
 
 
 def log_spaced_steps(count: int, max_steps: int) -> set[int]:
@@ -189,7 +201,7 @@ class LiveMonitor:
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
-        self.is_global_zero = True
+        self.rank: RankFacts | None = None
         self.config_hash: str | None = None  # probe hashes + thresholds the records are made with
         self.tracker_since_step = 0  # the step the stage tracker's current segment started at
 
@@ -199,29 +211,29 @@ class LiveMonitor:
         model,
         *,
         is_global_zero: bool,
-        probes_here: bool,
+        wrapped=None,
         max_steps: int | None = None,
         world_size: int = 1,
         wandb_run=None,
-        root=None,
     ) -> None:
         """At fit start. Resolves the model (a clear error now, never mid-run), picks reporters on
-        the logging rank and a no-op elsewhere, and whether this rank probes (decided once).
+        the logging rank and a no-op elsewhere, and whether this rank probes (decided once, here,
+        by ``sinkwatch.distributed``: rank 0, or every rank when the parameters are sharded).
 
-        DDP: only global rank 0 probes, the bare module (the DDP wrapper would wait for the other
-        ranks and hang). FSDP: every rank probes together, inside ``summon_full_params`` on the
-        root wrapper so the inner model's forward sees whole parameters: ``root`` is the module the
-        strategy wrapped (Lightning puts it around the LightningModule, outside ``model``). FSDP2 (``fully_shard``):
-        every rank probes together; each sharded module all-gathers its parameters in its forward."""
+        ``model``: what is probed (the bare module under DDP, never the DDP wrapper, which would
+        hang). ``wrapped``: the model as the training strategy wraps it, where FSDP shards show
+        (Lightning's ``trainer.strategy.model``); None: ``model`` itself. FSDP (v1) gathers through
+        it: the root wrapper sits there, outside ``model`` (an inner unit alone would leave the rest
+        sharded)."""
         self.target = resolve_target(model)
-        self._full_params = fsdp_full_params(root if root is not None else model)
-        self.world_size = max(1, int(world_size))
+        self._full_params = fsdp_full_params(wrapped if wrapped is not None else model)
+        self.rank = rank_facts(wrapped if wrapped is not None else model, is_global_zero=is_global_zero, world_size=world_size)
+        self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
-        self.is_global_zero = bool(is_global_zero)
-        if is_global_zero:
+        if self.rank.reports_here:
             self.reporter = self._make_reporters(wandb_run)
-        self._probe_step = self._probe if probes_here else _NoProbe()
+        self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
         self._ready = True
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -235,14 +247,11 @@ class LiveMonitor:
             reporters.append(ConsoleReporter())
         if cfg.wandb != "disabled":
             try:
-                from .reporting.wandb_run import WandbReporter
+                from .reporting.wandb_run import wandb_reporter
 
-                mode = "offline" if cfg.wandb == "auto" else cfg.wandb
-                if cfg.wandb == "auto" and os.environ.get("WANDB_MODE"):
-                    mode = "auto"  # honour the user's WANDB_MODE when we start the run
-                self.wandb_reporter = WandbReporter(
-                    wandb_run if cfg.wandb == "auto" else None,
-                    mode=mode,
+                self.wandb_reporter = wandb_reporter(
+                    cfg.wandb,
+                    trainer_run=wandb_run,
                     project=cfg.wandb_project,
                     dir=cfg.out_dir,
                     heatmap_every=cfg.heatmap_every,
@@ -376,7 +385,7 @@ class LiveMonitor:
         for event in snap.events:
             ev = event.to_dict()
             self.reporter.log_event(ev)
-            if self.config.on_event is not None and self.is_global_zero:  # FSDP: every rank probes, one calls the hook
+            if self.config.on_event is not None and self.rank.reports_here:  # FSDP: every rank probes, one calls the hook
                 try:
                     self.config.on_event(ev)
                 except Exception as exc:  # noqa: BLE001
@@ -465,53 +474,6 @@ def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:
         "sink_epsilon": monitor_config.sink_epsilon,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def fsdp_full_params(module) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context a sharded model's probe forward runs in; every rank must run it (a collective).
-
-    FSDP (v1) wrappers: ``summon_full_params`` on the root gathers whole parameters first.
-    FSDP2 (``fully_shard``): each sharded module's forward pre-hook all-gathers its own parameters,
-    so the forward needs nothing around it. Neither: a no-op context."""
-    return _fsdp_kind(module)[1]
-
-
-def is_fsdp(module) -> bool:
-    """Whether ``module`` holds FSDP or FSDP2 shards (then every rank probes together)."""
-    return _fsdp_kind(module)[0] is not None
-
-
-def _fsdp_kind(module) -> tuple[str | None, Callable[[], contextlib.AbstractContextManager]]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None, contextlib.nullcontext
-    units = _outermost(module, FSDP)
-    if units:
-        # every sharded parameter lives in one of the outermost units (the root, when ``module`` is
-        # the strategy's wrapper); gathering an inner unit alone would leave the rest sharded, and
-        # touching it before the root would make FSDP take it for the root
-        def gather() -> contextlib.AbstractContextManager:
-            stack = contextlib.ExitStack()
-            for unit in units:
-                stack.enter_context(FSDP.summon_full_params(unit, writeback=False, recurse=True))
-            return stack
-
-        return "fsdp", gather
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        return "fsdp2", contextlib.nullcontext
-    return None, contextlib.nullcontext
-
-
-def _outermost(module, kind) -> list:
-    """The instances of ``kind`` in ``module`` (itself included) that no other instance contains."""
-    if isinstance(module, kind):
-        return [module]
-    found = []
-    for child in module.children():
-        found.extend(_outermost(child, kind))
-    return found
 
 
 def _has_non_finite(values: dict) -> bool:

@@ -6,7 +6,7 @@ tests/test_distributed.py:
     python -m torch.distributed.run --nproc_per_node 2 tests/fsdp1_probe.py OUT_DIR
 
 The callback's core is handed the LightningModule and the root, as the Lightning adapter hands it
-``pl_module`` and ``trainer.strategy.model``; every rank probes, rank 0 writes OUT_DIR/sw.
+``pl_module`` and ``wrapped=trainer.strategy.model``; every rank probes, rank 0 writes OUT_DIR/sw.
 """
 
 import faulthandler
@@ -24,7 +24,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
 from train_helpers import LitLM  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
-from sinkwatch.live import LiveConfig, LiveMonitor, is_fsdp  # noqa: E402
+from sinkwatch.distributed import is_fsdp  # noqa: E402
+from sinkwatch.live import LiveConfig, LiveMonitor  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -36,7 +37,7 @@ def main(out: str) -> None:
     assert is_fsdp(root)
     config = LiveConfig(every_n_steps=1, tokens_per_step=1, out_dir=os.path.join(out, "sw"), probes=PROBES, wandb="disabled", console=False)
     live = LiveMonitor(config)
-    live.setup(lit, is_global_zero=dist.get_rank() == 0, probes_here=True, root=root)
+    live.setup(lit, is_global_zero=dist.get_rank() == 0, wrapped=root)
     shards = [p.numel() for p in root.parameters()]
     live.step_end(0)
     live.step_end(1)  # twice: the first gather left the shards as they were
