@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kernel_cases import assert_close_to_reference, make_inputs
 
 from sinkwatch import attention_stats
-from sinkwatch.kernels.api import validate
+from sinkwatch.kernels.contract import validate
 from sinkwatch.kernels.reference import attention_stats_reference
 from sinkwatch.kernels.torch_chunked import attention_stats_torch
 
@@ -124,3 +124,17 @@ def test_bad_input_gets_a_clear_error(kwargs, message):
     kwargs = {"scaling": 0.5, **kwargs}
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
         attention_stats(**kwargs)
+
+
+def test_a_non_tensor_q_is_a_type_error():
+    """Arguments are validated before the backend is chosen: a list q is a TypeError, not an AttributeError."""
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        attention_stats([[0.0]], torch.zeros(1, 2, 8, 4), 0.5)
+
+
+def test_the_dtype_message_names_every_accepted_dtype():
+    """float64 is accepted, and the message for a rejected dtype says so."""
+    q, k = make_inputs(1, 2, 2, 8, 4, dtype=torch.float64)
+    assert torch.isfinite(attention_stats(q, k, 0.5).lse).all()
+    with pytest.raises(TypeError, match="float32/float16/bfloat16/float64"):
+        attention_stats(q.to(torch.int32), k, 0.5)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .api import AttentionStats, StatsProblem, empty_outputs
+from .contract import AttentionStats, StatsProblem, empty_outputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key. A constexpr:
