@@ -104,6 +104,7 @@ def test_triton_matches_torch(S, D, groups, variant, dtype, layout):
 def test_head_dims_that_are_not_powers_of_two(D, dtype):
     # BLOCK_D rounds up (64/128): the tail of the head dim is masked, both when q is held whole
     # (16-bit inputs) and when it is re-read in 32-wide chunks (float32 inputs)
+    """Head dims 40/80/96: the masked tail of the head dim matches the reference."""
     q, k = make_inputs(1, 2, 1, 37, D, dtype=dtype, layout="sliced", seed=D, device=DEVICE)
     kw = variant_kwargs("rows_cols", 1, 37, seed=D)
     tri = attention_stats(q, k, D**-0.5, backend="triton", **kw)
@@ -112,6 +113,7 @@ def test_head_dims_that_are_not_powers_of_two(D, dtype):
 
 
 def test_gqa_reads_the_right_kv_head():
+    """Query heads read their own kv head under GQA."""
     q, k = make_inputs(2, 4, 2, 33, 64, seed=9, device=DEVICE)
     k[:, 1] *= 3.0  # kv heads differ strongly
     tri = attention_stats(q, k, 0.125, backend="triton")
@@ -120,6 +122,7 @@ def test_gqa_reads_the_right_kv_head():
 
 
 def test_import_never_touches_a_gpu_driver():
+    """Importing the kernel module needs no GPU driver."""
     code = "import os; os.environ.pop('TRITON_INTERPRET', None); import sinkwatch.kernels.triton_stats; print('ok')"
     env = compiler_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -128,6 +131,7 @@ def test_import_never_touches_a_gpu_driver():
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    """backend='triton' on CPU tensors without TRITON_INTERPRET is a RuntimeError that says what to set."""
     code = (
         "import os, torch; os.environ.pop('TRITON_INTERPRET', None)\n"
         "from sinkwatch import attention_stats\n"
@@ -193,6 +197,7 @@ def test_gpu_realistic_shapes_bf16_match_torch(S, D, Hq, Hkv):
 @gpu
 @pytest.mark.gpu
 def test_gpu_no_allocation_grows_with_s_squared():
+    """Peak GPU memory grows with S, not S squared."""
     torch.cuda.synchronize()
     peaks = []
     for S in (2048, 8192):
@@ -209,6 +214,7 @@ def test_gpu_no_allocation_grows_with_s_squared():
 @pytest.mark.parametrize("D", (64, 256))
 def test_gpu_float32_inputs_use_the_exact_product(D):
     # float32 takes the chunked FMA product (no TF32): parity with float64 at the CPU tolerances
+    """float32 inputs on GPU match the float64 reference at the CPU tolerances (no TF32)."""
     q, k = make_inputs(2, 8, 4, 1500, D, dtype=torch.float32, layout="bshd", seed=D, device="cuda")
     rows = torch.stack([torch.arange(1490, 1500), torch.arange(0, 10)]).cuda()
     cols = torch.randint(-1, 1500, (2, 10, 7), device="cuda")
