@@ -34,7 +34,9 @@ SUPPORTED_FAMILIES = ("gpt_neox", "llama", "olmo", "olmoe", "qwen2", "qwen3", "g
 class Collector(Protocol):
     """What a probe computes from one forward; every method sees one micro-batch."""
 
-    def on_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, window: int | None, softcap: float | None) -> None:
+    def on_attention(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, window: int | None, softcap: float | None
+    ) -> None:
         """query (B, Hq, S, D) post-RoPE, key (B, Hkv, S, D) before repeat_kv."""
 
     def on_attention_output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
@@ -213,7 +215,9 @@ def _check_no_padding(mask, seq_len: int, window: int | None) -> None:
     if window is not None:
         expected &= (seq_len - 1 - keys) < window
     if not torch.equal(allowed, expected.expand_as(allowed)):
-        raise ValueError("the probe batch is padded or carries a custom attention mask; sinkwatch probes use unpadded, fixed-length sequences")
+        raise ValueError(
+            "the probe batch is padded or carries a custom attention mask; sinkwatch probes use unpadded, fixed-length sequences"
+        )
 
 
 def find_transformers_model(obj) -> nn.Module:
@@ -321,7 +325,9 @@ class HFTarget(ProbeTarget):
                 handles = _block_hooks(self._blocks, collector)
                 model.set_attn_implementation(impl)
                 if model.config._attn_implementation != impl:
-                    raise UnsupportedModelError(f"{type(model).__name__} refused attn_implementation={impl!r}; it does not use AttentionInterface")
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__} refused attn_implementation={impl!r}; it does not use AttentionInterface"
+                    )
                 yield forward
         finally:
             for h in handles:
@@ -360,7 +366,16 @@ class CustomTarget(ProbeTarget):
     or an object with ``.logits``).
     """
 
-    def __init__(self, module: nn.Module, *, blocks: nn.ModuleList, vocab_size: int, context: int | None = None, forward: Callable | None = None, name: str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        blocks: nn.ModuleList,
+        vocab_size: int,
+        context: int | None = None,
+        forward: Callable | None = None,
+        name: str | None = None,
+    ):
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise TypeError("CustomTarget(blocks=...) must be the model's nn.ModuleList of blocks")
         if not isinstance(vocab_size, int) or vocab_size < 1:

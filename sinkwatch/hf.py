@@ -22,7 +22,22 @@ from transformers.trainer_callback import ExportableState
 from .live import LiveConfig, LiveMonitor, is_fsdp
 
 _latest: weakref.ref | None = None  # the callback the user built most recently in this process
-_JSON_OPTIONS = ("every_n_steps", "log_spaced", "probe_at_start", "probe_at_end", "out_dir", "tokens_per_step", "natural", "natural_n", "natural_seq_len", "wandb", "wandb_project", "heatmap_every", "console", "raise_on_error")
+_JSON_OPTIONS = (
+    "every_n_steps",
+    "log_spaced",
+    "probe_at_start",
+    "probe_at_end",
+    "out_dir",
+    "tokens_per_step",
+    "natural",
+    "natural_n",
+    "natural_seq_len",
+    "wandb",
+    "wandb_project",
+    "heatmap_every",
+    "console",
+    "raise_on_error",
+)
 
 
 def _dataset_ids(dataset, n_items: int) -> torch.Tensor | None:

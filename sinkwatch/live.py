@@ -148,7 +148,9 @@ class LiveMonitor:
         self.world_size = 1
 
     # ---- setup -------------------------------------------------------------------------------
-    def setup(self, model, *, is_global_zero: bool, probes_here: bool, max_steps: int | None = None, world_size: int = 1, wandb_run=None) -> None:
+    def setup(
+        self, model, *, is_global_zero: bool, probes_here: bool, max_steps: int | None = None, world_size: int = 1, wandb_run=None
+    ) -> None:
         """At fit start. Resolves the model (a clear error now, never mid-run), picks reporters on
         the logging rank and a no-op elsewhere, and whether this rank probes (decided once).
 
@@ -182,7 +184,14 @@ class LiveMonitor:
                 mode = "offline" if cfg.wandb == "auto" else cfg.wandb
                 if cfg.wandb == "auto" and os.environ.get("WANDB_MODE"):
                     mode = "auto"  # honour the user's WANDB_MODE when we start the run
-                self.wandb_reporter = WandbReporter(wandb_run if cfg.wandb == "auto" else None, mode=mode, project=cfg.wandb_project, dir=cfg.out_dir, heatmap_every=cfg.heatmap_every, init_kwargs=cfg.wandb_init)
+                self.wandb_reporter = WandbReporter(
+                    wandb_run if cfg.wandb == "auto" else None,
+                    mode=mode,
+                    project=cfg.wandb_project,
+                    dir=cfg.out_dir,
+                    heatmap_every=cfg.heatmap_every,
+                    init_kwargs=cfg.wandb_init,
+                )
                 reporters.append(self.wandb_reporter)
             except ImportError:
                 self._warn("no-wandb", "sinkwatch: wandb is not installed (pip install wandb); logging to the local JSONL only")
@@ -272,14 +281,19 @@ class LiveMonitor:
             if self.config.raise_on_error:
                 raise
             msg = f"{type(exc).__name__}: {exc}"
-            self._warn(f"probe:{type(exc).__name__}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
+            self._warn(
+                f"probe:{type(exc).__name__}",
+                f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)",
+            )
             self.reporter.log_error(step, msg)
             return
         self.last_probed_step = step
         self.n_probes += 1
         record = snap.to_record()
         if _has_non_finite(snap.values):
-            self._warn("nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null")
+            self._warn(
+                "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
+            )
         self.reporter.log_record(record)
         for event in snap.events:
             ev = event.to_dict()
@@ -339,7 +353,9 @@ class LiveMonitor:
         if self.jsonl is not None:
             moved = self.jsonl.rewind(self.last_probed_step)
             if moved:
-                self._warn("rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl")
+                self._warn(
+                    "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
+                )
 
 
 def fsdp_full_params(module) -> Callable[[], contextlib.AbstractContextManager]:

@@ -21,7 +21,16 @@ from typing import Any
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
 
-HEADLINE = ("sink_rate", "n_induction_ge50", "n_induction_ge30", "induction_score_max", "icl_score", "p0_stage", "induction_state", "circuit_layer")
+HEADLINE = (
+    "sink_rate",
+    "n_induction_ge50",
+    "n_induction_ge30",
+    "induction_score_max",
+    "icl_score",
+    "p0_stage",
+    "induction_state",
+    "circuit_layer",
+)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -32,7 +41,18 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
             out[f"sinkwatch/{key}"] = value
 
-    for key in ("sink_rate", "sink_center", "sink_positions", "circuit_layer", "bos_fraction_raw", "bos_fraction_bestclass", "n_induction_ge30", "n_induction_ge50", "icl_score", "probe_seconds"):
+    for key in (
+        "sink_rate",
+        "sink_center",
+        "sink_positions",
+        "circuit_layer",
+        "bos_fraction_raw",
+        "bos_fraction_bestclass",
+        "n_induction_ge30",
+        "n_induction_ge50",
+        "icl_score",
+        "probe_seconds",
+    ):
         put(key, record.get(key))
     if record.get("sink_heads_per_layer") is not None:
         put("n_sink_heads", sum(record["sink_heads_per_layer"]))
@@ -64,7 +84,16 @@ class WandbReporter(Reporter):
 
     name = "wandb"
 
-    def __init__(self, run=None, *, mode: str = "offline", project: str = "sinkwatch", dir: str | None = None, heatmap_every: int = 5, init_kwargs: dict | None = None):
+    def __init__(
+        self,
+        run=None,
+        *,
+        mode: str = "offline",
+        project: str = "sinkwatch",
+        dir: str | None = None,
+        heatmap_every: int = 5,
+        init_kwargs: dict | None = None,
+    ):
         import wandb  # ImportError here is reported once by the caller; training goes on
 
         self.wandb = wandb
