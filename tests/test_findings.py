@@ -32,17 +32,32 @@ def test_the_l0_l1_floor_holds_in_all_three_models():
         assert ours(m)["l0_l1_floor"] is True
 
 
-def test_induction_formation_and_the_token_gaps():
-    # from the released >= 30x counts (the release has no per-revision >= 50x counts):
+def test_induction_formation_by_the_paper_rule_over_all_heads():
+    """>= 3 heads at >= 50x counted over all heads (the per-head tables): 6.29B / 23B / 20B, the
+    paper's milestones. The >= 30x proxy the old release forced gave OLMo 10B."""
     assert ours(PYTHIA)["induction_formed"] == pytest.approx(6.29e9)
+    assert ours(OLMO)["induction_formed"] == pytest.approx(23e9)
     assert ours(OLMOE)["induction_formed"] == pytest.approx(20e9)
-    assert ours(OLMO)["induction_formed"] == pytest.approx(10e9)  # the paper's 23B needs >= 50x counts
-    assert ours(OLMO)["induction_rule"] == "ge30 proxy"
-    # with the published milestones (6.29B / 23B / 20B), the same gap function gives 11x and 21x
-    assert F.paper_findings(OLMO)["induction_formed"] == pytest.approx(23e9)
+    assert {ours(m)["induction_rule"] for m in (PYTHIA, OLMO, OLMOE)} == {"ge50"}
+    proxy = F.trajectory_from_reference(OLMO)
+    proxy.ind_ge50 = None
+    assert F.findings(proxy)["induction_formed"] == pytest.approx(10e9) and F.findings(proxy)["induction_rule"] == "ge30-proxy"
+    # the published milestones agree with the computed ones, and the gap function gives 11x and 21x
+    for m in (PYTHIA, OLMO, OLMOE):
+        assert F.paper_findings(m)["induction_formed"] == pytest.approx(ours(m)["induction_formed"])
     assert round(F.paper_findings(OLMO)["induction_to_sink_gap"]) == 11
     assert round(F.paper_findings(OLMOE)["induction_to_sink_gap"]) == 21
-    assert F.paper_findings(PYTHIA)["induction_formed"] == pytest.approx(6.29e9)
+
+
+def test_pr_lead_from_the_released_pr_trajectories():
+    """Finding 5: Pythia L4H4's PR is 27.35 at 0.536B tokens (step256), 11.7x earlier in tokens than
+    its induction selectivity reaches 50x (6.29B)."""
+    traj = F.trajectory_from_reference(PYTHIA)
+    assert traj.pr[4][4, 4] == pytest.approx(27.3469)  # revision index 4 = step256
+    lead = {h["head"]: h for h in F.findings(traj)["pr_lead"]}
+    assert lead["L4H4"]["pr_jump_tokens"] == pytest.approx(0.537e9)
+    assert lead["L4H4"]["selectivity_50x_tokens"] == pytest.approx(6.29e9)
+    assert lead["L4H4"]["lead"] == pytest.approx(6.29 / 0.537)
 
 
 def test_findings_from_records_match_the_reference_loader():
@@ -73,10 +88,11 @@ def test_findings_from_records_match_the_reference_loader():
     for key in ("sink_fraction_ge_10pct", "sink_fraction_ge_50pct", "induction_formed", "final_sink_fraction"):
         assert mine[key] == pytest.approx(paper[key]), key
     assert mine["largest_jump"]["to_revision"] == paper["largest_jump"]["to_revision"]
-    assert mine["recall_67pct"] == pytest.approx(10e9)  # 2 of the final 3 heads present at 10B
+    assert mine["recall_67pct"] == pytest.approx(10e9)  # 2 of the final 3 heads present at 10B (records' sets)
     rows = {r["finding"]: r for r in F.compare(mine, F.paper_findings(OLMO))}
     assert rows["sink heads >= 50% (tokens)"]["match"] is True
     assert rows[">= 3 induction heads at 50x (tokens)"]["match"] is False  # 10B (records) vs 23B: flagged
+    assert "50x" in rows[">= 3 induction heads at 50x (tokens)"]["rule"]  # every row names the rule it applies
     assert rows["67% recall of final 50x set (tokens)"]["match"] is True
 
 
