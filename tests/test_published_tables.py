@@ -15,8 +15,9 @@ PH = F.load_per_head()
 POINTS = [(m, r["revision"]) for m in REF["models"] for r in REF["models"][m]["revisions"]]
 
 
-def test_sixty_points():
-    assert len(POINTS) == 60 and all(rev in PH["per_revision"][m] for m, rev in POINTS)
+def test_every_published_point_has_a_per_head_table():
+    """3 models x 10 revisions = 30 (model, revision) points, two counts each: 60 published figures."""
+    assert len(POINTS) == 30 and all(rev in PH["per_revision"][m] for m, rev in POINTS)
 
 
 @pytest.mark.parametrize("model,revision", POINTS)
