@@ -42,7 +42,14 @@ def load_per_head() -> dict:
 
 
 # the per-head json's class names -> sinkwatch's
-PAPER_COLUMNS = {"induction": "induction", "previous": "previous", "duplicate": "duplicate", "first": "first", "self": "self", "local": "local"}
+PAPER_COLUMNS = {
+    "induction": "induction",
+    "previous": "previous",
+    "duplicate": "duplicate",
+    "first": "first",
+    "self": "self",
+    "local": "local",
+}
 
 
 def paper_selectivity(model_key: str, revision: str, per_head: dict | None = None) -> dict[str, np.ndarray]:
@@ -386,10 +393,25 @@ def head_comparison(record: dict, model_key: str, per_head: dict | None = None) 
                 worst = {"deviation": dev, "head": name, "class": c, "ours": a, "paper": b}
             for t in THRESHOLD_SIDES:
                 if (a >= t) != (b >= t):
-                    differences.append({"head": name, "what": f"{c} {'>=' if a >= t else '<'} {t:g}x (paper {'>=' if b >= t else '<'})", "ours": a, "paper": b})
+                    differences.append(
+                        {
+                            "head": name,
+                            "what": f"{c} {'>=' if a >= t else '<'} {t:g}x (paper {'>=' if b >= t else '<'})",
+                            "ours": a,
+                            "paper": b,
+                        }
+                    )
         if ours_best[l, h] != paper_best[l, h]:
-            differences.append({"head": name, "what": f"best class {ours_best[l, h]} (paper {paper_best[l, h]})", "ours": None, "paper": None})
-    return {"revision": rev, "pairs": pairs, "largest_deviation": worst, "differences": differences, "protocol": record.get("protocol", "sinkwatch")}
+            differences.append(
+                {"head": name, "what": f"best class {ours_best[l, h]} (paper {paper_best[l, h]})", "ours": None, "paper": None}
+            )
+    return {
+        "revision": rev,
+        "pairs": pairs,
+        "largest_deviation": worst,
+        "differences": differences,
+        "protocol": record.get("protocol", "sinkwatch"),
+    }
 
 
 # ---- findings.json --------------------------------------------------------------------------------------------
@@ -408,6 +430,10 @@ def published_findings_json(reference: dict | None = None) -> dict:
             "induction_rule": f["induction_rule"],
             "sink_ge50pct_b": b(f["sink_fraction_ge_50pct"]),
             "sink_ge10pct_b": b(f["sink_fraction_ge_10pct"]),
-            "ablation_top1": {"baseline": abl.get("baseline"), "circuit": abl.get("circuit_ablated"), "matched_random": abl.get("matched_random")},
+            "ablation_top1": {
+                "baseline": abl.get("baseline"),
+                "circuit": abl.get("circuit_ablated"),
+                "matched_random": abl.get("matched_random"),
+            },
         }
     return out

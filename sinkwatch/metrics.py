@@ -146,7 +146,7 @@ def best_class(scores: Mapping[str, np.ndarray], minimum: float = BEST_CLASS_MIN
 
 
 def head_names(mask: np.ndarray) -> list[str]:
-    """"L{l}H{h}" for every True cell of an (L, H) mask, in layer-then-head order."""
+    """ "L{l}H{h}" for every True cell of an (L, H) mask, in layer-then-head order."""
     return [f"L{l}H{h}" for l, h in zip(*np.nonzero(mask))]
 
 

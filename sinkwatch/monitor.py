@@ -23,7 +23,6 @@ from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, Repeate
 from .snapshot import Snapshot
 from .stages import StageConfig, StageTracker
 
-
 PROTOCOLS = ("sinkwatch", "paper")
 PAPER_PR_SEQUENCES = 500  # the paper's PR: the first 500 induction-probe sequences (its --n-examples 500)
 

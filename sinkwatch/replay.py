@@ -232,7 +232,12 @@ def key_of(record: dict) -> dict:
     (their protocol was sinkwatch's; what probes they used is unknown)."""
     if "replay_key" in record:
         return record["replay_key"]
-    return {"model": record.get("model"), "dtype": record.get("dtype"), "protocol": record.get("protocol", "sinkwatch"), "probes": "unrecorded"}
+    return {
+        "model": record.get("model"),
+        "dtype": record.get("dtype"),
+        "protocol": record.get("protocol", "sinkwatch"),
+        "probes": "unrecorded",
+    }
 
 
 def key_difference(stored: dict, wanted: dict) -> list[str]:
@@ -282,9 +287,7 @@ class ReplayStore:
     def done(self, key: dict | None = None) -> set[str]:
         """Revisions with a successful record (made with ``key``, when given)."""
         return {
-            r["revision"]
-            for r in self.rows()
-            if r.get("status", "ok") == "ok" and "revision" in r and (key is None or key_of(r) == key)
+            r["revision"] for r in self.rows() if r.get("status", "ok") == "ok" and "revision" in r and (key is None or key_of(r) == key)
         }
 
     def check(self, key: dict) -> None:
@@ -298,7 +301,8 @@ class ReplayStore:
                 if diff:
                     raise StoreMismatchError(
                         f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
-                        "Its numbers would be reported as this replay's: replay into another --out, or move its records*.jsonl away to redo them"
+                        "Its numbers would be reported as this replay's: replay into another --out, "
+                        "or move its records*.jsonl away to redo them"
                     )
 
     def append(self, row: dict) -> None:
@@ -447,7 +451,9 @@ def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_
         if pr_monitor is not None:
             _status(bar, rev, "PR (float16, first 500)")
             record.update(_paper_pr(pr_monitor, model, recipe, rev, dtype, device, cache_dir))
-        record.update({"status": "ok", "dtype": dtype, "replay_key": key, "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0})
+        record.update(
+            {"status": "ok", "dtype": dtype, "replay_key": key, "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0}
+        )
         store.append(record)  # only a complete record is ever written
         return record
     except HubUnreachableError:

@@ -64,7 +64,8 @@ def _xaxis(ax, stores: Sequence[Store] | None, log: bool | None = None, label: s
 
     ax.set_xlabel(label or _x_label(stores))
     log = _log_axis(stores) if log is None else log
-    xs = np.concatenate([np.asarray(line.get_xdata(), dtype=float) for line in ax.get_lines()] or [np.zeros(0)])
+    data_lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]  # not axhline/axvline
+    xs = np.concatenate([np.asarray(line.get_xdata(), dtype=float) for line in data_lines] or [np.zeros(0)])
     xs = xs[np.isfinite(xs)]
     pos = xs[xs > 0]
     if log and len(pos):
@@ -176,7 +177,8 @@ def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
             )
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
-    _legend(ax)
+    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left", ncols=2)
     fig.tight_layout()
     save(fig, out / "final_sink_heads_per_layer.png")
     return "final_sink_heads_per_layer.png"
@@ -226,7 +228,11 @@ def figure_sink_rate(stores, out: Path) -> str | None:
         _xaxis(a2, stores)
         _legend(a2)
     else:
-        _empty(a2, "P0 circuit layer: no probe found one\n(no block met both the norm-ratio and the\ndirection-consistency thresholds, or the\nprobe had no sink source)")
+        _empty(
+            a2,
+            "P0 circuit layer: no probe found one\n(no block met both the norm-ratio and the\n"
+            "direction-consistency thresholds, or the\nprobe had no sink source)",
+        )
     fig.tight_layout()
     save(fig, out / "sink_rate.png")
     return "sink_rate.png"
@@ -408,7 +414,8 @@ def _pr_lead_lines(ours: dict, s: Store, reference: dict) -> list[str]:
         a, b = mine.get(head, {}), theirs.get(head, {})
         lines.append(
             f"| {head} | {_value(a.get('pr_jump_tokens'), s.has_tokens)} | {_value(a.get('selectivity_50x_tokens'), s.has_tokens)} | "
-            f"{_fmt(a.get('lead'))} | {_tokens(b.get('pr_jump_tokens'))} | {_tokens(b.get('selectivity_50x_tokens'))} | {_fmt(b.get('lead'))} |"
+            f"{_fmt(a.get('lead'))} | {_tokens(b.get('pr_jump_tokens'))} | {_tokens(b.get('selectivity_50x_tokens'))} | "
+            f"{_fmt(b.get('lead'))} |"
         )
     return lines
 
@@ -457,7 +464,15 @@ def figure_head_comparison(s: Store, comps: list[dict], out: Path, index: int) -
         ax.set_yscale("log")
         ax.set_title(f"{comp['revision']}: {len(named)} head(s) differ", fontsize=8)
         if named:
-            ax.text(0.02, 0.98, "\n".join(named[:6]) + ("\n..." if len(named) > 6 else ""), transform=ax.transAxes, va="top", fontsize=6, color="red")
+            ax.text(
+                0.02,
+                0.98,
+                "\n".join(named[:6]) + ("\n..." if len(named) > 6 else ""),
+                transform=ax.transAxes,
+                va="top",
+                fontsize=6,
+                color="red",
+            )
         ax.tick_params(labelsize=6)
     axes.flat[0].legend(fontsize=6, loc="lower right")
     fig.supxlabel("paper's selectivity (x baseline)", fontsize=9)
@@ -575,7 +590,8 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
         ax.bar(np.arange(len(per)) + i * width, per, width, color=f"C{i}", label=f"{m} @ {trajs[m].revisions[-1]}")
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
-    _legend(ax)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left", ncols=len(models))
     fig.tight_layout()
     save(fig, out / "paper_final_sink_heads_per_layer.png")
 
@@ -638,15 +654,26 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
         t = trajs[m]
         md += [f"### {m}", "", "| revision | tokens | sink heads | ind >= 30x | ind >= 50x | >= 50x set |", "|---|---|---|---|---|---|"]
         for k, rev in enumerate(t.revisions):
-            md.append(f"| {rev} | {_tokens(t.tokens[k])} | {t.sink_heads[k]} | {t.ind_ge30[k]} | {t.ind_ge50[k]} | {', '.join(t.induction_sets[k])} |")
+            md.append(
+                f"| {rev} | {_tokens(t.tokens[k])} | {t.sink_heads[k]} | {t.ind_ge30[k]} | {t.ind_ge50[k]} | "
+                f"{', '.join(t.induction_sets[k])} |"
+            )
         leads = F.findings(t)["pr_lead"]
         md += ["", f"PR lead (Finding 5; {F.RULES['pr_lead']}), from the released PR trajectories (n = 500, float16):", ""]
         md += ["| head | PR >= 1.5x first | selectivity >= 50x | lead |", "|---|---|---|---|"]
-        md += [f"| {h['head']} | {_tokens(h['pr_jump_tokens'])} | {_tokens(h['selectivity_50x_tokens'])} | {_fmt(h['lead'])} |" for h in leads]
+        md += [
+            f"| {h['head']} | {_tokens(h['pr_jump_tokens'])} | {_tokens(h['selectivity_50x_tokens'])} | {_fmt(h['lead'])} |" for h in leads
+        ]
         sweep = ph["ablation_sweep"].get(m)
         if sweep:
-            md += ["", f"Ablation sweep at `{sweep['revision']}` ({sweep['n_examples']} sequences, float16; one RandomState(123) across "
-                   "the thresholds 2, 10, 30, 50, 100):", "", "| condition | heads | top-1 | top-5 | loss |", "|---|---|---|---|---|"]
+            md += [
+                "",
+                f"Ablation sweep at `{sweep['revision']}` ({sweep['n_examples']} sequences, float16; one RandomState(123) across "
+                "the thresholds 2, 10, 30, 50, 100):",
+                "",
+                "| condition | heads | top-1 | top-5 | loss |",
+                "|---|---|---|---|---|",
+            ]
             md += [f"| {r['name']} | {r['n_ablated']} | {r['acc_top1']} | {r['acc_top5']} | {r['loss']:.3f} |" for r in sweep["results"]]
         md.append("")
     path = out / "report.md"
