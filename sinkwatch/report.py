@@ -177,8 +177,9 @@ def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
             )
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
-    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * 1.3)  # room for the legend above the bars
-    ax.legend(fontsize=7, loc="upper left", ncols=2)
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * (1 + 0.12 * entries))  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     save(fig, out / "final_sink_heads_per_layer.png")
     return "final_sink_heads_per_layer.png"
@@ -530,6 +531,8 @@ def build_report(
             md += [f"![{name}]({name})", ""]
     for i, s in enumerate(loaded):
         md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see SPEC §8')}.", ""]
+        if not s.has_tokens:
+            md += [f"Tokens seen are unknown for these records: figures show the {_x_label([s])}.", ""]
         md += _trajectory_table(s) + [""]
         if s.failed:
             md += (
@@ -587,11 +590,11 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
     width = 0.8 / len(models)
     for i, m in enumerate(models):
         per = reference["models"][m]["final_sink_heads_per_layer"]
-        ax.bar(np.arange(len(per)) + i * width, per, width, color=f"C{i}", label=f"{m} @ {trajs[m].revisions[-1]}")
+        ax.bar(np.arange(len(per)) + i * width, per, width, color=f"C{i}", label=f"{m.split('/')[-1]} @ {trajs[m].revisions[-1]}")
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
-    ax.legend(fontsize=7, loc="upper left", ncols=len(models))
+    ax.set_ylim(0, ax.get_ylim()[1] * (1 + 0.12 * len(models)))  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     save(fig, out / "paper_final_sink_heads_per_layer.png")
 

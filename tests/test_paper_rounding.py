@@ -58,3 +58,13 @@ def test_paper_pr_uses_the_first_500_sequences_and_equals_the_n500_batch():
     assert rec["protocol"] == "paper" and rec["pr_sequences"] == 500
     with pytest.raises(ValueError, match="protocol must be one of"):
         MonitorConfig(protocol="xu")
+
+
+def test_paper_ablation_control_draws_min_picks_eligible_in_a_short_layer():
+    model = build("llama", seed=3).eval()
+    heads = ["L0H0", "L0H1", "L0H2"]  # 3 of 4 heads: one eligible for the control
+    probe = [InductionProbe(n=8, seq_len=64)]
+    with pytest.raises(ValueError, match="min\\(picks, eligible\\)"):
+        Monitor(probe).ablate(model, heads)
+    res = Monitor(probe, config=MonitorConfig(protocol="paper")).ablate(model, heads)
+    assert res["control_heads"] == ["L0H3"] and res["heads"] == heads
