@@ -16,10 +16,20 @@ Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
+
+# The ``wandb=`` option of the callbacks (LiveConfig.wandb) and of replay (--wandb). Every rule for
+# it lives here, in ``wandb_reporter`` and ``WandbReporter.run``:
+#   auto      the trainer's run (WandbLogger / WandbCallback) or ``wandb.run``; when there is none,
+#             sinkwatch starts one offline, or leaves the mode to wandb when WANDB_MODE is set
+#   online    log to ``wandb.run`` if one exists, else start an online run
+#   offline   log to ``wandb.run`` if one exists, else start an offline run (no account needed)
+#   disabled  no W&B reporter at all
+WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 HEADLINE = (
     "sink_rate",
@@ -73,6 +83,30 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if f"sinkwatch/{key}" in out:
             out[f"sinkwatch/by_tokens/{key}"] = out[f"sinkwatch/{key}"]
     return out
+
+
+def wandb_reporter(
+    option: str,
+    *,
+    trainer_run=None,
+    project: str = "sinkwatch",
+    dir: str | None = None,
+    heatmap_every: int = 5,
+    init_kwargs: dict | None = None,
+) -> WandbReporter | None:
+    """The reporter for ``wandb=option`` (None when disabled). ``trainer_run``: the run the training
+    framework already logs to, used only with "auto". Raises ImportError without wandb installed."""
+    if option not in WANDB_MODES:
+        raise ValueError(f"wandb must be one of {WANDB_MODES}, got {option!r}")
+    if option == "disabled":
+        return None
+    if option == "auto":
+        # "auto" as WandbReporter's mode: wandb.init without mode=, so WANDB_MODE decides
+        mode = "auto" if os.environ.get("WANDB_MODE") else "offline"
+        run = trainer_run
+    else:
+        mode, run = option, None
+    return WandbReporter(run, mode=mode, project=project, dir=dir, heatmap_every=heatmap_every, init_kwargs=init_kwargs)
 
 
 class WandbReporter(Reporter):
