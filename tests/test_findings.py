@@ -105,3 +105,23 @@ def test_reference_keys():
     assert F.reference_key("pythia-1b") == PYTHIA
     assert F.reference_key("allenai/OLMoE-1B-7B-0924") == OLMOE
     assert F.reference_key("gpt2") is None
+
+
+def test_findings_that_do_not_apply_are_na_with_the_reason():
+    """11.12: a model with no sink head at all used to get `l0_l1_floor: yes`."""
+    t = F.Trajectory(
+        label="x",
+        revisions=["a", "b"],
+        tokens=[0.0, 10.0],
+        sink_heads=[0, 0],
+        total_heads=8,
+        ind_ge30=[0, 0],
+        ind_ge50=[0, 0],
+        induction_sets=[[], []],
+        final_sink_per_layer=[0, 0, 0, 0],
+    )
+    f = F.findings(t)
+    assert f["l0_l1_floor"] is None and "no sink head" in f["not_applicable"]["l0_l1_floor"]
+    assert f["induction_formed"] is None and "50x" in f["not_applicable"]["induction_formed"]
+    assert "never reach 50%" in f["not_applicable"]["sink_fraction_ge_50pct"]
+    assert "pr_lead" in f["not_applicable"] and "induction_to_sink_gap" in f["not_applicable"]
