@@ -111,6 +111,7 @@ def cmd_replay(args) -> int:
         monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens is not None else None,
         wandb=args.wandb,
         progress=not args.no_progress,
+        protocol=args.protocol,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
@@ -139,8 +140,19 @@ def cmd_demo(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import build_report
+    from .report import build_paper_report, build_report
 
+    if args.paper:
+        if not args.out:
+            raise ValueError("sinkwatch report --paper needs --out DIR (there is no store to write beside)")
+        path = build_paper_report(args.out)
+        print(f"report of the paper's published data written to {path} (findings: {Path(args.out) / 'findings.json'})")
+        if args.stores:
+            path = build_report(args.stores, Path(args.out) / "stores")
+            print(f"report of the stores written to {path}")
+        return 0
+    if not args.stores:
+        raise ValueError("give one or more stores, or --paper --out DIR for the paper's published data alone")
     path = build_report(args.stores, args.out)
     print(f"report written to {path}")
     return 0
@@ -174,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log the replay to W&B on a tokens axis (default offline)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--protocol",
+        choices=("paper", "sinkwatch"),
+        default=None,
+        help="paper: Xu 2026's exact precision choices (eager float16 attention for float16 models, PR on the first 500 "
+        "sequences in float16); sinkwatch: float32 statistics, PR on every sequence (default: the recipe's; packaged recipes: paper)",
+    )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
@@ -186,8 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     rep = sub.add_parser("report", help="write a markdown + PNG report from one or more stores")
-    rep.add_argument("stores", nargs="+", help="replay stores or live-run directories (with records.jsonl)")
+    rep.add_argument("stores", nargs="*", help="replay stores or live-run directories (with records.jsonl)")
     rep.add_argument("--out", default=None, help="report directory (default: FIRST_STORE/report)")
+    rep.add_argument(
+        "--paper",
+        action="store_true",
+        help="the report of the paper's packaged published data alone (trajectories, findings, per-layer sink counts, "
+        "ablations) plus OUT/findings.json",
+    )
     rep.set_defaults(func=cmd_report)
     return parser
 

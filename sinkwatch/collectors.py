@@ -16,6 +16,36 @@ from . import metrics
 from .kernels import attention_stats
 
 
+def eager_half_rows(query, key, scaling, rows, cols, *, window=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention probabilities of chosen rows rounded the way eager half-precision attention rounds
+    them (transformers' ``eager_attention_forward``): QK^T in the model's dtype, times ``scaling`` in
+    that dtype, softmax in float32, cast back to the model's dtype. Only the chosen rows are
+    materialised: (B, H, Q, S) — for the paper's one query row per sequence that is one row per head.
+
+    query (B, H, S, D), key (B, Hkv, S, D), rows (B, Q), cols (B, Q, G). Returns the gathered
+    probabilities (B, H, Q, G) and each row's entropy (B, H, Q), both float32.
+    """
+    B, H, S, D = query.shape
+    if key.shape[1] != H:  # grouped-query attention: eager repeats each KV head for its query group
+        key = key.repeat_interleave(H // key.shape[1], dim=1)
+    q = query.gather(2, rows[:, None, :, None].expand(B, H, rows.shape[1], D))  # (B, H, Q, D)
+    scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, H, Q, S) in the model's dtype, as eager
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    j = torch.arange(S, device=query.device)
+    i = rows[:, None, :, None]  # (B, 1, Q, 1)
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    # eager adds the dtype's most negative value; both give exactly 0 after the float32 softmax
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (B, H, Q, S)
+    gathered = probs.gather(-1, cols[:, None].expand(B, H, *cols.shape[1:])).float()
+    p = probs.float()
+    entropy = -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
+    return gathered, entropy
+
+
 class Part:
     """A statistic family; every hook is optional. ``batch`` is the current micro-batch's slice."""
 
@@ -66,6 +96,7 @@ class RowColumnsPart(Part):
     rows: np.ndarray
     cols: np.ndarray
     backend: str = "auto"
+    eager_half: bool = False  # float16/bfloat16 models: round as eager half-precision attention does
     gathered: list = field(init=False)
     entropy: list = field(init=False)
 
@@ -76,6 +107,11 @@ class RowColumnsPart(Part):
     def on_attention(self, batch, layer, query, key, scaling, window, softcap):
         rows = torch.as_tensor(self.rows[batch], device=query.device)
         cols = torch.as_tensor(self.cols[batch], device=query.device)
+        if self.eager_half and query.dtype in (torch.float16, torch.bfloat16):
+            probs, ent = eager_half_rows(query, key, scaling, rows, cols, window=window, softcap=softcap)
+            self.gathered[layer].append(probs.cpu().numpy())
+            self.entropy[layer].append(ent.cpu().numpy())
+            return
         st = attention_stats(query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, backend=self.backend)
         self.gathered[layer].append(st.gathered.cpu().numpy())
         self.entropy[layer].append(st.entropy.cpu().numpy())
@@ -93,6 +129,7 @@ class HeadOutputPart(Part):
 
     n_layers: int
     row: np.ndarray
+    limit: int | None = None  # only the first ``limit`` probe sequences (the paper's PR: 500)
     gram: list = field(init=False)
     total: list = field(init=False)
     count: int = 0
@@ -103,14 +140,17 @@ class HeadOutputPart(Part):
 
     def on_attention_output(self, batch, layer, output):
         B, S, H, D = output.shape
-        idx = torch.as_tensor(self.row[batch], device=output.device)
-        m = output[torch.arange(B, device=output.device), idx].double()  # (B, H, D)
+        keep = B if self.limit is None else max(0, min(B, self.limit - batch.start))
+        if keep == 0:
+            return output
+        idx = torch.as_tensor(self.row[batch][:keep], device=output.device)
+        m = output[torch.arange(keep, device=output.device), idx].double()  # (keep, H, D)
         g = torch.einsum("bhd,bhe->hde", m, m).cpu().numpy()
         t = m.sum(0).cpu().numpy()
         self.gram[layer] = g if self.gram[layer] is None else self.gram[layer] + g
         self.total[layer] = t if self.total[layer] is None else self.total[layer] + t
         if layer == 0:
-            self.count += B
+            self.count += keep
         return output
 
 

@@ -95,7 +95,7 @@ def load_model(
                 f"cannot reach the Hugging Face hub to load {name_or_path}"
                 + (f" at revision {revision}" if revision else "")
                 + ". Replay from a local cache instead: download the revisions on a machine with network "
-                "(huggingface-cli download NAME --revision REV), point HF_HOME (or --cache-dir) at that cache and set "
+                "(hf download NAME --revision REV), point HF_HOME (or --cache-dir) at that cache and set "
                 "HF_HUB_OFFLINE=1, or pass a local directory written by save_pretrained."
             ) from exc
         if "revision" in str(exc).lower() or type(exc).__name__ in ("RevisionNotFoundError", "EntryNotFoundError"):

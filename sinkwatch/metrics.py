@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,11 @@ INDUCTION_CIRCUIT_MIN_SELECTIVITY = 50.0  # induction circuit (Xu)
 INDUCTION_HEAD_MIN_SELECTIVITY = 30.0  # the paper's per-revision ind_ge30 count
 PREVIOUS_TOKEN_MIN_SELECTIVITY = 100.0  # previous-token circuit (Xu): best class and >= 100x
 SELECTIVITY_CLASSES = ("induction", "duplicate", "previous", "self", "first", "local")
+# The paper's class order (its ``classes`` list): a stable sort in this order breaks ties between classes.
+PAPER_CLASS_ORDER = ("induction", "previous", "duplicate", "first", "self", "local")
+BASELINE_FLOOR = 1e-8  # the paper divides by max(baseline, 1e-8)
+PAPER_CONTROL_SEED = 123  # RandomState of the group-ablation controls
+PAPER_SWEEP_THRESHOLDS = (2.0, 10.0, 30.0, 50.0, 100.0)  # the paper's ablation sweep, in its order
 UNCLASSIFIED = "unclassified"
 LOCAL_OFFSETS = (3, 4, 5, 6)  # local class: mean attention on T-3 .. T-6
 
@@ -106,35 +111,42 @@ def selectivity_columns(seq_len: int, ab: np.ndarray, baseline: np.ndarray) -> t
 
 
 def selectivity(gathered: np.ndarray, layout: Mapping[str, slice], valid: np.ndarray) -> dict[str, np.ndarray]:
-    """Class selectivity per head: (mean over sequences of class attention) / baseline.
+    """Class selectivity per head: (mean over sequences of class attention) / max(baseline, 1e-8).
 
     gathered: (N, L, H, G) attention at the query row on the columns of ``selectivity_columns``.
     The baseline and the non-induction classes average over all sequences; ``induction`` and
     ``duplicate`` only over ``valid`` ones (B occurs exactly once in tokens[:-1]). Multi-column
     classes (local, baseline) first average their columns per sequence. Returns class -> (L, H).
+
+    Conventions of the paper's code (per-head mechinterp scripts): the baseline is floored at 1e-8,
+    so a head that never looks at the baseline positions gets a large finite ratio, not inf; with
+    no valid sequence ``induction`` and ``duplicate`` are 0 (its sum over valid ones / max(n_valid, 1)).
     """
     valid = np.asarray(valid, dtype=bool)
     per_seq = {name: gathered[..., sl].mean(axis=-1) for name, sl in layout.items()}  # (N, L, H)
-    base = per_seq["baseline"].mean(axis=0)
+    base = np.maximum(per_seq["baseline"].mean(axis=0), BASELINE_FLOOR)
     out = {}
     for name in SELECTIVITY_CLASSES:
         x = per_seq[name][valid] if name in ("induction", "duplicate") else per_seq[name]
-        mean = x.mean(axis=0) if len(x) else np.full(base.shape, np.nan)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out[name] = mean / base
+        mean = x.mean(axis=0) if len(x) else np.zeros(base.shape)
+        out[name] = mean / base
     return out
 
 
 def best_class(scores: Mapping[str, np.ndarray], minimum: float = BEST_CLASS_MIN_SELECTIVITY) -> np.ndarray:
-    """Per head: the argmax class if its selectivity >= ``minimum``, else "unclassified". (L, H) str."""
-    stack = np.stack([np.nan_to_num(scores[c], nan=-np.inf) for c in SELECTIVITY_CLASSES])  # (6, L, H)
-    idx = stack.argmax(axis=0)
-    names = np.array(SELECTIVITY_CLASSES, dtype=object)[idx]
+    """Per head: the argmax class if its selectivity >= ``minimum``, else "unclassified". (L, H) str.
+
+    As the paper: non-finite values (inf, NaN) take no part in the choice, and a tie goes to the
+    class first in the paper's order (induction, previous, duplicate, first, self, local).
+    """
+    stack = np.stack([np.where(np.isfinite(scores[c]), scores[c], -np.inf) for c in PAPER_CLASS_ORDER])  # (6, L, H)
+    idx = stack.argmax(axis=0)  # the first maximum: the paper's order breaks ties
+    names = np.array(PAPER_CLASS_ORDER, dtype=object)[idx]
     return np.where(stack.max(axis=0) >= minimum, names, UNCLASSIFIED)
 
 
 def head_names(mask: np.ndarray) -> list[str]:
-    """"L{l}H{h}" for every True cell of an (L, H) mask, in layer-then-head order."""
+    """ "L{l}H{h}" for every True cell of an (L, H) mask, in layer-then-head order."""
     return [f"L{l}H{h}" for l, h in zip(*np.nonzero(mask))]
 
 
@@ -162,17 +174,18 @@ def participation_ratio(gram: np.ndarray) -> np.ndarray:
     """PR = exp(-sum p log p), p = s^2 / sum s^2, s the singular values of the uncentered M.
 
     gram: (..., D, D) = M^T M for M the (N, D) per-head outputs at the query row; its eigenvalues
-    are s^2. Range [1, D]; NaN when M is all zeros.
+    are s^2. Range [1, min(N, D)]. An all-zero M gives 1, as in the paper's code (it clamps the
+    sum at 1e-12 and adds 1e-12 inside the log); NaN activations give NaN.
     """
     gram = np.asarray(gram, dtype=np.float64)
     finite = np.isfinite(gram).all(axis=(-1, -2))  # NaN activations: PR is undefined, not an error
     lam = np.clip(np.linalg.eigvalsh(np.where(finite[..., None, None], gram, 0.0)), 0.0, None)
     total = np.where(finite, lam.sum(axis=-1), 0.0)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = lam / total
+        p = lam / np.maximum(total, 1e-300)
         plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
-    pr = np.exp(-plogp.sum(axis=-1))
-    return np.where(total[..., 0] > 0, pr, np.nan)
+    pr = np.exp(-plogp.sum(axis=-1))  # all-zero M: p = 0 everywhere, PR = exp(0) = 1
+    return np.where(finite, pr, np.nan)
 
 
 def participation_ratio_classical(gram: np.ndarray, total: np.ndarray, count: int) -> np.ndarray:
@@ -269,24 +282,53 @@ def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, floa
     return {"loss": float(loss), "top1": float(hit[:, 0].float().mean()), "top5": float(hit.any(-1).float().mean())}
 
 
-def matched_random_heads(heads: Iterable[tuple[int, int]], n_heads: int, seed: int = 123) -> list[tuple[int, int]]:
+def matched_random_heads(
+    heads: Iterable[tuple[int, int]], n_heads: int, seed: int | np.random.RandomState = PAPER_CONTROL_SEED, *, short_layer: str = "raise"
+) -> list[tuple[int, int]]:
     """Group-ablation control: per layer, as many random heads as the set has there, disjoint from it.
 
-    Drawn with RandomState(seed) layer by layer in increasing layer order.
+    Drawn with RandomState(seed) layer by layer in increasing layer order (``seed`` may be a
+    RandomState to continue a shared stream, as the paper's sweep does). A layer with more picks
+    than eligible heads raises (``short_layer="raise"``) or draws ``min(picks, eligible)``
+    (``"min"``, the paper's code).
     """
+    if short_layer not in ("raise", "min"):
+        raise ValueError(f"short_layer must be 'raise' or 'min', got {short_layer!r}")
     chosen = sorted(set(heads))
     by_layer: dict[int, list[int]] = {}
     for l, h in chosen:
         by_layer.setdefault(l, []).append(h)
-    rng = np.random.RandomState(seed)
+    rng = seed if isinstance(seed, np.random.RandomState) else np.random.RandomState(seed)
     control = []
     for l in sorted(by_layer):
         pool = [h for h in range(n_heads) if h not in by_layer[l]]
         m = len(by_layer[l])
         if m > len(pool):
-            raise ValueError(f"layer {l} has {len(by_layer[l])} ablated heads of {n_heads}: no disjoint random control exists")
+            if short_layer == "raise":
+                raise ValueError(
+                    f"layer {l} has {len(by_layer[l])} ablated heads of {n_heads}: no disjoint random control of the same size exists "
+                    "(the paper's protocol draws min(picks, eligible): protocol='paper')"
+                )
+            m = len(pool)
         control += [(l, int(h)) for h in sorted(rng.choice(pool, size=m, replace=False))]
     return control
+
+
+def paper_control_sets(
+    screens: Mapping[float, Iterable[tuple[int, int]]], n_heads: int, seed: int = PAPER_CONTROL_SEED
+) -> dict[float, list[tuple[int, int]]]:
+    """The paper's matched-random controls of an ablation sweep: ONE RandomState(seed) shared across
+    the thresholds in the order given (the paper's [2, 10, 30, 50, 100]: its >= 50x control is the
+    fourth draw), every threshold drawn even when its head set repeats the previous one, and
+    ``min(picks, eligible)`` heads in a short layer. screens: threshold -> heads at >= threshold."""
+    rng = np.random.RandomState(seed)
+    return {t: matched_random_heads(heads, n_heads, rng, short_layer="min") for t, heads in screens.items()}
+
+
+def screen_sets(induction: np.ndarray, thresholds: Sequence[float] = PAPER_SWEEP_THRESHOLDS) -> dict[float, list[tuple[int, int]]]:
+    """threshold -> heads with induction selectivity >= threshold (inclusive), from an (L, H) table."""
+    sel = np.asarray(induction, dtype=float)
+    return {float(t): [(int(l), int(h)) for l, h in zip(*np.nonzero(sel >= t))] for t in thresholds}
 
 
 def circuit_recall(current: Iterable[str], final: Iterable[str]) -> float | None:

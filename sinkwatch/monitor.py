@@ -24,6 +24,9 @@ from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, Repeate
 from .snapshot import Snapshot
 from .stages import StageConfig, StageTracker
 
+PROTOCOLS = ("sinkwatch", "paper")
+PAPER_PR_SEQUENCES = 500  # the paper's PR: the first 500 induction-probe sequences (its --n-examples 500)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorConfig:
@@ -36,6 +39,10 @@ class MonitorConfig:
     classical_pr: bool = False  # also report the centered (sum l)^2 / sum l^2 PR as ``pr_classical``
     backend: str = "auto"  # attention_stats backend
     stages: StageConfig = field(default_factory=StageConfig)
+    # "sinkwatch": float32 attention statistics, PR over every probe sequence. "paper": Xu 2026's
+    # released protocol (SPEC §5, §8): PR on the first 500 sequences, float16 models' attention
+    # rounded as eager float16 attention rounds it, ablation controls min(picks, eligible).
+    protocol: str = "sinkwatch"
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
@@ -46,6 +53,8 @@ class MonitorConfig:
             raise ValueError(f"sink_epsilon must be in (0, 1), got {self.sink_epsilon!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if not isinstance(self.stages, StageConfig):
             raise TypeError("stages must be a sinkwatch.StageConfig")
 
@@ -125,6 +134,7 @@ class Monitor:
                 if s.kind == "natural":
                     values.update(self._bos_free_circuit(target, s))
         values["probe_seconds"] = time.perf_counter() - t0
+        values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (SPEC §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
         snap = Snapshot(
             model=model_name or target.name,
@@ -218,7 +228,8 @@ class Monitor:
         for l, h in pairs:
             if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
-        control = metrics.matched_random_heads(pairs, H, seed=seed)
+        short = "min" if self.config.protocol == "paper" else "raise"
+        control = metrics.matched_random_heads(pairs, H, seed=seed, short_layer=short)
         valid = torch.as_tensor(probe.fields["valid"].astype(bool))
         targets = torch.as_tensor(probe.fields["token_b"])
         result = {"heads": [f"L{l}H{h}" for l, h in sorted(set(pairs))], "control_heads": [f"L{l}H{h}" for l, h in control]}
@@ -288,8 +299,10 @@ class _InductionRun(_ProbeRun):
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
         cols, self.layout = metrics.selectivity_columns(probe.seq_len, probe.fields["ab"], probe.fields["baseline_positions"])
-        self.rowcols = RowColumnsPart(n_layers, probe.fields["query_row"][:, None], cols[:, None, :], config.backend)
-        self.heads = HeadOutputPart(n_layers, probe.fields["query_row"]) if config.participation_ratio else None
+        paper = config.protocol == "paper"  # eager float16 rounding of the attention rows, PR on the first 500
+        self.rowcols = RowColumnsPart(n_layers, probe.fields["query_row"][:, None], cols[:, None, :], config.backend, eager_half=paper)
+        limit = PAPER_PR_SEQUENCES if paper else None
+        self.heads = HeadOutputPart(n_layers, probe.fields["query_row"], limit=limit) if config.participation_ratio else None
         self.parts = [self.rowcols] + ([self.heads] if self.heads is not None else [])
         self.last_logits: list[torch.Tensor] = []
 
@@ -313,6 +326,7 @@ class _InductionRun(_ProbeRun):
         if self.heads is not None:
             gram = np.stack(self.heads.gram)  # (L, H, D, D)
             values["pr"] = metrics.participation_ratio(gram)
+            values["pr_sequences"] = self.heads.count  # PR is bounded by min(N, d_head): N is part of the number
             if cfg.classical_pr:
                 values["pr_classical"] = metrics.participation_ratio_classical(gram, np.stack(self.heads.total), self.heads.count)
         return values, gathered.shape[2]

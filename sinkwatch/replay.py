@@ -12,7 +12,10 @@ is recorded with its reason and the others go on.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
+import json
 import os
 import re
 import time
@@ -26,8 +29,8 @@ import numpy as np
 import yaml
 
 from .loading import HubUnreachableError, _is_network_error, hub_offline, load_model
-from .monitor import Monitor, MonitorConfig
-from .probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
+from .monitor import PAPER_PR_SEQUENCES, PROTOCOLS, Monitor, MonitorConfig
+from .probes import InductionProbe, NaturalProbe, ProbeSet, RepeatedRandomProbe
 from .reporting.jsonl import append_jsonl, read_jsonl
 from .stages import StageTracker
 
@@ -52,10 +55,13 @@ class Recipe:
     batch_tokens: int = 16384
     layers: int | None = None
     heads_per_layer: int | None = None
+    protocol: str = "sinkwatch"  # the packaged recipes say "paper" (SPEC §8)
 
     def __post_init__(self) -> None:
         if self.revisions is not None and self.log_spaced is not None:
             raise ValueError("give revisions or log_spaced, not both")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"recipe protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         unknown = set(self.probes) - {"induction", "repeated", "natural"}
         if unknown:
             raise ValueError(f"unknown probe kinds in recipe: {sorted(unknown)}")
@@ -167,7 +173,7 @@ def _cache_repo_dir(model: str, cache_dir: str | None) -> Path:
 def _offline_advice(model: str) -> str:
     return (
         f"cannot reach the Hugging Face hub to list or download {model}'s revisions. Replay from a local cache "
-        "instead: on a machine with network run `huggingface-cli download MODEL --revision REV` for each revision "
+        "instead: on a machine with network run `hf download MODEL --revision REV` for each revision "
         "(or copy an existing HF cache), then set HF_HUB_OFFLINE=1 and HF_HOME (or pass --cache-dir) to point at it"
     )
 
@@ -200,9 +206,74 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def replay_key(model: str, dtype: str, protocol: str, probes: Sequence) -> dict:
+    """What makes two replays of a revision the same measurement: the model, its dtype, the protocol
+    and the probe sets (each probe recipe's parameters, or a ready probe set's content hash; with the
+    model fixed, these determine the probe hashes)."""
+    return {"model": model, "dtype": dtype, "protocol": protocol, "probes": {p.kind: _probe_spec(p) for p in probes}}
+
+
+def _probe_spec(probe) -> dict | str:
+    if isinstance(probe, ProbeSet):
+        return probe.hash
+    spec = {}
+    for f in dataclasses.fields(probe):
+        v = getattr(probe, f.name)
+        try:
+            json.dumps(v)
+        except TypeError:  # token tensors, tokenizer objects: their content, hashed
+            v = hashlib.sha256(repr(v.tolist() if hasattr(v, "tolist") else v).encode()).hexdigest()[:16]
+        spec[f.name] = list(v) if isinstance(v, tuple) else v
+    return spec
+
+
+def key_of(record: dict) -> dict:
+    """The replay key a stored record was made with; records from before keys were stored lack one
+    (their protocol was sinkwatch's; what probes they used is unknown)."""
+    if "replay_key" in record:
+        return record["replay_key"]
+    return {
+        "model": record.get("model"),
+        "dtype": record.get("dtype"),
+        "protocol": record.get("protocol", "sinkwatch"),
+        "probes": "unrecorded",
+    }
+
+
+def key_difference(stored: dict, wanted: dict) -> list[str]:
+    """Human-readable differences between two replay keys ("dtype: float32 -> float16")."""
+    out = []
+    for k in ("model", "dtype", "protocol"):
+        if stored.get(k) != wanted.get(k):
+            out.append(f"{k}: {stored.get(k)} -> {wanted.get(k)}")
+    a, b = stored.get("probes"), wanted.get("probes")
+    if a != b:
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            out.append(f"probes: {a} -> {b}")
+        else:
+            for kind in sorted(set(a) | set(b)):
+                pa, pb = a.get(kind), b.get(kind)
+                if pa == pb:
+                    continue
+                if isinstance(pa, dict) and isinstance(pb, dict):
+                    out += [f"{kind} probe {f}: {pa.get(f)} -> {pb.get(f)}" for f in sorted(set(pa) | set(pb)) if pa.get(f) != pb.get(f)]
+                else:
+                    out.append(f"{kind} probe: {pa or 'absent'} -> {pb or 'absent'}")
+    return out
+
+
+class StoreMismatchError(ValueError):
+    """A store holds records made another way than the replay asked for."""
+
+
 class ReplayStore:
     """``DIR/records.jsonl`` (or one shard's file). A record is appended only when complete; a line
-    torn by a crash is skipped when reading, so that revision is simply done again."""
+    torn by a crash is skipped when reading, so that revision is simply done again.
+
+    A revision is done only when its record was made with the same replay key (model, dtype,
+    protocol, probes). A store holding records made another way is refused with an error naming
+    the difference — one store, one measurement — rather than mixing two protocols in one report.
+    """
 
     def __init__(self, out_dir: str | os.PathLike, shard: tuple[int, int] = (0, 1)):
         self.dir = Path(out_dir)
@@ -213,8 +284,28 @@ class ReplayStore:
     def rows(self) -> list[dict]:
         return read_jsonl(self.path)
 
-    def done(self) -> set[str]:
-        return {r["revision"] for r in self.rows() if r.get("status", "ok") == "ok" and "revision" in r}
+    def done(self, key: dict | None = None) -> set[str]:
+        """Revisions with a successful record (made with ``key``, when given)."""
+        return {
+            r["revision"] for r in self.rows() if r.get("status", "ok") == "ok" and "revision" in r and (key is None or key_of(r) == key)
+        }
+
+    def check(self, key: dict) -> None:
+        """Refuse (StoreMismatchError) when any successful record of this store's directory — every
+        shard — was made with another replay key."""
+        for path in sorted(self.dir.glob("records*.jsonl")):
+            if ".superseded" in path.name:  # set aside on purpose: not part of the store
+                continue
+            for r in read_jsonl(path):
+                if r.get("status", "ok") != "ok" or "n_layers" not in r:
+                    continue
+                diff = key_difference(key_of(r), key)
+                if diff:
+                    raise StoreMismatchError(
+                        f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
+                        "Its numbers would be reported as this replay's: replay into another --out, "
+                        "or move its records*.jsonl away to redo them"
+                    )
 
     def append(self, row: dict) -> None:
         append_jsonl(self.path, row)
@@ -269,12 +360,18 @@ def replay(
     wandb: str = "disabled",
     progress: bool = True,
     monitor_config: MonitorConfig | None = None,
+    protocol: str | None = None,
 ) -> list[dict]:
     """Replay revisions of a hub model (or a ``Recipe``); returns this shard's rows (ok and failed).
 
     Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``). They
     are replayed in training order; shard K of N takes every N-th one (from RANK/WORLD_SIZE under
     torchrun or accelerate launch, or given).
+
+    ``protocol``: "paper" reproduces Xu 2026's precision choices (SPEC §8: float16 models probed
+    through eager float16 attention, PR from a float16 pass over the first 500 sequences), "sinkwatch"
+    keeps float32 statistics and PR over every sequence; default: the recipe's. A store that holds
+    records made with another protocol, dtype, model or probe set is refused (``StoreMismatchError``).
     """
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
     revs = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
@@ -292,10 +389,22 @@ def replay(
     k, n = shard or shard_from_env()
     mine = ordered[k::n]
     store = ReplayStore(out_dir, (k, n))
-    done = store.done()
     tps = tokens_per_step or recipe.tokens_per_step
     cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)
-    monitor = Monitor(probes if probes is not None else recipe.probe_recipes(), config=cfg)
+    protocol = protocol or (cfg.protocol if monitor_config is not None else recipe.protocol)
+    cfg = dataclasses.replace(cfg, protocol=protocol)
+    probe_list = list(probes) if probes is not None else recipe.probe_recipes()
+    dtype = dtype or recipe.dtype
+    key = replay_key(recipe.model, dtype, protocol, probe_list)
+    store.check(key)
+    done = store.done(key)
+    pr_monitor = None
+    if protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in probe_list):
+        # the paper's PR ran separately (its per-head scripts): float16, default attention, first 500 sequences
+        pr_probes = [_first(p, PAPER_PR_SEQUENCES) for p in probe_list if p.kind == "induction"]
+        pr_monitor = Monitor(pr_probes, config=cfg)
+        cfg = dataclasses.replace(cfg, participation_ratio=False)
+    monitor = Monitor(probe_list, config=cfg)
     reporter = _replay_wandb(wandb, out_dir, recipe)
     rows = []
     bar = _progress(mine, progress, recipe.model)
@@ -304,7 +413,7 @@ def replay(
         if rev in done:
             _status(bar, rev, "done already")
             continue
-        row = _replay_one(monitor, store, recipe, rev, step, tokens, dtype or recipe.dtype, device, cache_dir, bar)
+        row = _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_dir, bar, key=key, pr_monitor=pr_monitor)
         rows.append(row)
         if reporter is not None and row.get("status", "ok") == "ok":
             try:
@@ -317,19 +426,36 @@ def replay(
     return rows
 
 
-def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_dir, bar) -> dict:
+def _first(probe, n: int):
+    """The first ``n`` sequences of a probe (the induction probe draws sequentially: SPEC §3)."""
+    if isinstance(probe, ProbeSet):
+        return probe.subset(min(n, probe.n))
+    return dataclasses.replace(probe, n=min(n, probe.n))
+
+
+def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_dir, bar, *, key, pr_monitor=None) -> dict:
     base = {"model": recipe.model, "revision": rev, "step": step, "tokens": tokens}
     t0 = time.perf_counter()
     model = None
+    paper = monitor.config.protocol == "paper"
     try:
         _status(bar, rev, "load")
         model = load_model(recipe.model, revision=rev, dtype=dtype, device=device, cache_dir=cache_dir)
         load_s = time.perf_counter() - t0
+        if paper and dtype in ("float16", "bfloat16"):
+            # the paper's attention weights came from eager half-precision attention (output_attentions):
+            # every layer's input must come from the same forward for its numbers to carry over
+            model.set_attn_implementation("eager")
         _status(bar, rev, "probe")
         monitor.tracker = _tracker_before(store, step, monitor.config.stages)
         snap = monitor.probe(model, step=step, tokens=tokens, revision=rev, model_name=recipe.model)
         record = snap.to_record()
-        record.update({"status": "ok", "dtype": dtype, "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0})
+        if pr_monitor is not None:
+            _status(bar, rev, "PR (float16, first 500)")
+            record.update(_paper_pr(pr_monitor, model, recipe, rev, dtype, device, cache_dir))
+        record.update(
+            {"status": "ok", "dtype": dtype, "replay_key": key, "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0}
+        )
         store.append(record)  # only a complete record is ever written
         return record
     except HubUnreachableError:
@@ -342,6 +468,23 @@ def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_
     finally:
         del model
         gc.collect()
+
+
+def _paper_pr(pr_monitor: Monitor, model, recipe: Recipe, rev: str, dtype: str, device, cache_dir) -> dict:
+    """The paper's PR: its per-head scripts loaded each revision in float16 with the default (sdpa)
+    attention and took the first 500 sequences. A float16 model is reused with sdpa switched back on;
+    another dtype is loaded again in float16 (a cast of the loaded model would also cast buffers
+    that ``from_pretrained`` keeps in float32)."""
+    if dtype == "float16":
+        model.set_attn_implementation("sdpa")
+        half = model
+    else:
+        half = load_model(recipe.model, revision=rev, dtype="float16", device=device, cache_dir=cache_dir)
+    try:
+        values = pr_monitor.probe(half, track=False).values
+    finally:
+        del half
+    return {"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"}
 
 
 def _tracker_before(store: ReplayStore, step: int | None, config) -> StageTracker:

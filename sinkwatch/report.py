@@ -24,7 +24,7 @@ from .stages import INDUCTION_STATES, P0_STAGES
 
 
 class Store:
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, reference: dict | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"no store at {self.path} (a directory with records.jsonl)")
@@ -36,21 +36,59 @@ class Store:
         self.failed = failed_revisions(self.path)
         self.events = read_jsonl(self.path / "events.jsonl")
         self.is_replay = any(r.get("revision") for r in self.records)
-        self.reference_key = F.reference_key(self.model)
+        self.reference_key = F.reference_key(self.model, reference)
+        # records from before sinkwatch named the protocol were made with sinkwatch's
+        self.protocols = sorted({r.get("protocol", "sinkwatch") for r in self.records})
+        self.protocol = self.protocols[0] if len(self.protocols) == 1 else "mixed: " + ", ".join(self.protocols)
+        self.has_tokens = all(r.get("tokens") is not None for r in self.records)
 
     def x(self) -> list[float]:
-        """Tokens seen (step when tokens are unknown)."""
+        """Tokens seen (the step when tokens are unknown: ``has_tokens`` says which)."""
         return [float(r["tokens"]) if r.get("tokens") is not None else float(r.get("step") or 0) for r in self.records]
 
     def column(self, key: str, fn=lambda v: v) -> list:
         return [fn(r[key]) if r.get(key) is not None else None for r in self.records]
 
 
-def _xaxis(ax, log: bool) -> None:
-    ax.set_xlabel("tokens seen")
-    if log:
-        ax.set_xscale("log")
+def _x_label(stores: Sequence[Store]) -> str:
+    if all(s.has_tokens for s in stores):
+        return "tokens seen"
+    if not any(s.has_tokens for s in stores):
+        return "training step (tokens unknown: replay with --tokens-per-step)"
+    return "tokens seen (" + ", ".join(s.label for s in stores if not s.has_tokens) + ": training step)"
+
+
+def _xaxis(ax, stores: Sequence[Store] | None, log: bool | None = None, label: str | None = None) -> None:
+    """Label the x axis by what it shows; a log axis is symlog below the smallest positive x, so a
+    step-0 point stays on it, with one labelled tick per decade or fewer (labels never overlap)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.set_xlabel(label or _x_label(stores))
+    log = _log_axis(stores) if log is None else log
+    data_lines = [line for line in ax.get_lines() if line.get_transform() is ax.transData]  # not axhline/axvline
+    xs = np.concatenate([np.asarray(line.get_xdata(), dtype=float) for line in data_lines] or [np.zeros(0)])
+    xs = xs[np.isfinite(xs)]
+    pos = xs[xs > 0]
+    if log and len(pos):
+        lo, hi = float(pos.min()), float(pos.max())
+        if (xs <= 0).any():
+            ax.set_xscale("symlog", linthresh=lo, linscale=0.5)
+        else:
+            ax.set_xscale("log")
+        decades = np.arange(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        step = max(1, math.ceil(len(decades) / 7))
+        ticks = [10.0**d for d in decades[::step]] + ([0.0] if (xs <= 0).any() else [])
+        ax.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens(v) if v else "0"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3)
+
+
+def _empty(ax, why: str) -> None:
+    """An empty panel says why it is empty instead of drawing a meaningless axis."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, fontsize=9, transform=ax.transAxes, color="0.35")
 
 
 def _legend(ax) -> None:
@@ -89,10 +127,12 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
         )
         _plot(a2, s.x(), s.column("n_induction_ge50"), color=c, marker="o", label=f"{s.label} >= 50x")
         _plot(a2, s.x(), s.column("n_induction_ge30"), color=c, marker="^", alpha=0.5, label=f"{s.label} >= 30x")
-        if s.reference_key:
+        if s.reference_key and s.has_tokens:  # the paper's axis is tokens: never drawn against steps
             t = F.trajectory_from_reference(s.reference_key, reference)
             _plot(a1, t.tokens, t.sink_fraction, color=c, ls="--", alpha=0.7, label=f"{s.reference_key} (paper)")
             _plot(a2, t.tokens, t.ind_ge30, color=c, ls="--", alpha=0.7, label="paper >= 30x")
+            if t.ind_ge50 is not None:
+                _plot(a2, t.tokens, t.ind_ge50, color=c, ls="-.", alpha=0.7, label="paper >= 50x")
         drawn = True
     if not drawn:
         plt.close(fig)
@@ -100,7 +140,7 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
     a1.set_ylabel("sink-head fraction (first-token >= 30x)")
     a2.set_ylabel("induction heads")
     for ax in (a1, a2):
-        _xaxis(ax, log)
+        _xaxis(ax, stores, log)
         _legend(ax)
     a1.set_title("sink-head fraction")
     a2.set_title("induction heads (selectivity screen)")
@@ -138,7 +178,9 @@ def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
             )
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
-    _legend(ax)
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * (1 + 0.12 * entries))  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     save(fig, out / "final_sink_heads_per_layer.png")
     return "final_sink_heads_per_layer.png"
@@ -158,7 +200,7 @@ def figure_stages(stores, out: Path) -> str:
     a1.set_title("P0-sink circuit stage (solid: tracked; dotted: this probe alone)", fontsize=9)
     a2.set_title("induction state", fontsize=9)
     _legend(a1)
-    _xaxis(a2, _log_axis(stores))
+    _xaxis(a2, stores)
     a1.grid(alpha=0.3)
     fig.tight_layout()
     save(fig, out / "stage_timeline.png")
@@ -172,7 +214,8 @@ def figure_sink_rate(stores, out: Path) -> str | None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, s in enumerate(stores):
         _plot(a1, s.x(), s.column("sink_rate"), color=f"C{i}", marker="o", label=s.label)
-        _plot(a2, s.x(), s.column("circuit_layer"), color=f"C{i}", marker="s", label=f"{s.label} circuit layer")
+        if any(v is not None for v in s.column("circuit_layer")):
+            _plot(a2, s.x(), s.column("circuit_layer"), color=f"C{i}", marker="s", label=f"{s.label} circuit layer")
     last = stores[0]
     prof = [r.get("sink_profile") for r in last.records]
     if all(p is not None for p in prof):
@@ -181,9 +224,17 @@ def figure_sink_rate(stores, out: Path) -> str | None:
             _plot(a1, last.x(), list(prof[:, k]), ls="--", alpha=0.6, label=f"{last.label} Sink_{k}")
     a1.set_ylabel("sink rate Sink_0 (dashed: Sink_k)")
     a2.set_ylabel("P0 circuit layer")
-    for ax in (a1, a2):
-        _xaxis(ax, _log_axis(stores))
-        _legend(ax)
+    _xaxis(a1, stores)
+    _legend(a1)
+    if a2.get_lines():
+        _xaxis(a2, stores)
+        _legend(a2)
+    else:
+        _empty(
+            a2,
+            "P0 circuit layer: no probe found one\n(no block met both the norm-ratio and the\n"
+            "direction-consistency thresholds, or the\nprobe had no sink source)",
+        )
     fig.tight_layout()
     save(fig, out / "sink_rate.png")
     return "sink_rate.png"
@@ -205,7 +256,7 @@ def figure_prefix(stores, out: Path) -> str | None:
     a2.set_ylabel("ICL score: 2nd-copy - 1st-copy loss (nats)")
     a2.axhline(0, color="k", lw=0.5)
     for ax in (a1, a2):
-        _xaxis(ax, _log_axis(stores))
+        _xaxis(ax, stores)
         _legend(ax)
     fig.tight_layout()
     save(fig, out / "induction_score_and_icl.png")
@@ -262,25 +313,59 @@ def _trajectory_table(s: Store) -> list[str]:
     return lines
 
 
+def _value(v: Any, has_tokens: bool) -> str:
+    """A milestone: tokens (6.29B), or the step when the store's tokens are unknown."""
+    if isinstance(v, float) and not has_tokens:
+        return f"step {v:.0f}"
+    return _fmt(v)
+
+
+PROTOCOL_NOTE = {
+    "paper": "the paper's protocol (SPEC §8): its numbers are directly comparable",
+    "sinkwatch": (
+        "sinkwatch's protocol (float32 statistics, PR over every sequence): NOT the paper's precision choices, so heads near "
+        "30x/50x can differ from its tables for that reason alone; rerun with `--protocol paper` for a like-for-like comparison"
+    ),
+}
+
+
 def _findings_section(s: Store, reference: dict) -> list[str]:
     try:
         ours = F.findings(F.trajectory_from_records(s.records, s.label))
     except ValueError:
         return []
     lines = [f"### Findings: {s.label}", ""]
+    na = ours.get("not_applicable", {})
+
+    def shown(key, v):
+        return f"n/a ({na[key]})" if key in na and v is None else _value(v, s.has_tokens)
+
     if s.reference_key:
         paper = F.paper_findings(s.reference_key, reference)
-        lines += ["| finding | ours | paper (Xu 2026) | |", "|---|---|---|---|"]
+        lines += [f"Our numbers: {PROTOCOL_NOTE.get(s.protocol, s.protocol)}.", ""]
+        lines += ["| finding | rule | ours | paper (Xu 2026) | |", "|---|---|---|---|---|"]
+        keys = {
+            "sink heads >= 10% (tokens)": "sink_fraction_ge_10pct",
+            "sink heads >= 50% (tokens)": "sink_fraction_ge_50pct",
+            ">= 3 induction heads at 50x (tokens)": "induction_formed",
+            "67% recall of final 50x set (tokens)": "recall_67pct",
+            "no sink heads in L0/L1 (final)": "l0_l1_floor",
+        }
         for row in F.compare(ours, paper):
             flag = {True: "match", False: "**MISMATCH**", None: "n/a"}[row["match"]]
-            lines.append(f"| {row['finding']} | {_fmt(row['ours'])} | {_fmt(row['paper'])} | {flag} |")
+            if row["match"] is False and s.protocol != "paper":
+                flag += " (sinkwatch protocol)"
+            key = keys.get(row["finding"])
+            mine = shown(key, row["ours"]) if key else _value(row["ours"], s.has_tokens)
+            lines.append(f"| {row['finding']} | {row.get('rule') or '—'} | {mine} | {_fmt(row['paper'])} | {flag} |")
         lines.append("")
         lines.append(
-            f"Our induction milestone uses rule `{ours['induction_rule']}`; the paper's figure is its published milestone "
-            "(the release carries only >= 30x counts per revision)."
+            f"Both induction milestones apply the paper's rule (`{ours['induction_rule']}`: >= 3 heads at induction >= 50x, "
+            "counted over all heads; the paper's from its per-head tables). The stage events and the `induction` column above "
+            "are the live tracker's rule (docs/stages.md), a different question: the two need not agree."
         )
     else:
-        lines += ["| finding | value |", "|---|---|"]
+        lines += [f"Protocol: {s.protocol}.", "", "| finding | rule | value |", "|---|---|---|"]
         for key in (
             "sink_fraction_ge_10pct",
             "sink_fraction_ge_50pct",
@@ -290,32 +375,148 @@ def _findings_section(s: Store, reference: dict) -> list[str]:
             "l0_l1_floor",
             "recall_67pct",
         ):
-            lines.append(f"| {key} | {_fmt(ours.get(key))} |")
+            rule = F.RULES.get(key, "")
+            if key == "induction_formed" and ours["induction_rule"] != "ge50":
+                rule = "ge30-proxy: >= 3 heads at >= 30x"
+            lines.append(f"| {key} | {rule or '—'} | {shown(key, ours.get(key))} |")
+        lines += [
+            "",
+            "`induction_formed` is the paper's rule (>= 3 heads at >= 50x in the selectivity screen); the stage events and the "
+            "`induction` column are the live tracker's (docs/stages.md): the two answer different questions and need not agree.",
+        ]
     if ours["recall"] and any(r is not None for r in ours["recall"]):
         lines += [
             "",
             "Recall of the final >= 50x induction set per revision: "
             + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(F.trajectory_from_records(s.records).revisions, ours["recall"])),
         ]
-    if ours["pr_lead"]:
-        lines += [
-            "",
-            "PR rising before induction selectivity crosses 50x (per head of the final set):",
-            "",
-            "| head | PR >= 1.5x first | selectivity >= 50x | lead |",
-            "|---|---|---|---|",
-        ]
-        for h in ours["pr_lead"]:
-            lines.append(f"| {h['head']} | {_tokens(h['pr_jump_tokens'])} | {_tokens(h['selectivity_50x_tokens'])} | {_fmt(h['lead'])} |")
+    lines += _pr_lead_lines(ours, s, reference)
     return lines + [""]
 
 
-def build_report(stores: Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None) -> Path:
-    """Write ``report.md`` and its PNG figures; returns the markdown path."""
-    loaded = [Store(p) for p in stores]
+def _pr_lead_lines(ours: dict, s: Store, reference: dict) -> list[str]:
+    """Finding 5 (PR rises before selectivity crosses 50x), ours beside the paper's released PR."""
+    paper = F.findings(F.trajectory_from_reference(s.reference_key, reference))["pr_lead"] if s.reference_key else []
+    if not ours["pr_lead"] and not paper:
+        why = ours.get("not_applicable", {}).get("pr_lead")
+        return ["", f"PR lead: n/a ({why})."] if why else []
+    lines = [
+        "",
+        f"PR rising before induction selectivity crosses 50x (rule: {F.RULES['pr_lead']}); the paper's column is computed from "
+        "its released PR trajectories (n = 500, float16)"
+        + (f"; ours: PR over {s.records[-1].get('pr_sequences', 'all')} sequences, protocol {s.protocol}" if ours["pr_lead"] else "")
+        + ":",
+        "",
+        "| head | ours: PR >= 1.5x first | ours: >= 50x | ours: lead | paper: PR >= 1.5x first | paper: >= 50x | paper: lead |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mine = {h["head"]: h for h in ours["pr_lead"]}
+    theirs = {h["head"]: h for h in paper}
+    for head in sorted(set(mine) | set(theirs), key=lambda n: tuple(int(x) for x in n[1:].split("H"))):
+        a, b = mine.get(head, {}), theirs.get(head, {})
+        lines.append(
+            f"| {head} | {_value(a.get('pr_jump_tokens'), s.has_tokens)} | {_value(a.get('selectivity_50x_tokens'), s.has_tokens)} | "
+            f"{_fmt(a.get('lead'))} | {_tokens(b.get('pr_jump_tokens'))} | {_tokens(b.get('selectivity_50x_tokens'))} | "
+            f"{_fmt(b.get('lead'))} |"
+        )
+    return lines
+
+
+# ---- head by head ---------------------------------------------------------------------------------------
+def head_comparisons(s: Store, per_head: dict | None) -> list[dict]:
+    if not s.reference_key:
+        return []
+    ph = per_head or F.load_per_head()
+    if s.reference_key not in ph["per_revision"]:
+        return []
+    return [c for c in (F.head_comparison(r, s.reference_key, ph) for r in s.records) if c is not None]
+
+
+def figure_head_comparison(s: Store, comps: list[dict], out: Path, index: int) -> str | None:
+    """Per revision, ours vs the paper's selectivity for every listed head and class (log-log, identity line);
+    heads whose best class or threshold side differs are ringed in red and named."""
+    if not comps:
+        return None
+    plt = _plt()
+    n = len(comps)
+    cols = min(n, 5)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax, comp in zip(axes.flat, comps):
+        pairs = [p for p in comp["pairs"] if p["ours"] > 0 and p["paper"] > 0 and math.isfinite(p["ours"]) and math.isfinite(p["paper"])]
+        if not pairs:
+            _empty(ax, f"{comp['revision']}: no positive finite pair")
+            continue
+        for k, c in enumerate(sorted({p["class"] for p in pairs})):
+            pts = [(p["paper"], p["ours"]) for p in pairs if p["class"] == c]
+            ax.scatter(*zip(*pts), s=8, color=f"C{k}", label=c, alpha=0.7)
+        lo = min(min(p["ours"], p["paper"]) for p in pairs)
+        hi = max(max(p["ours"], p["paper"]) for p in pairs)
+        ax.plot([lo, hi], [lo, hi], color="k", lw=0.6)
+        for t in F.THRESHOLD_SIDES:
+            if lo < t < hi:
+                ax.axvline(t, color="0.7", lw=0.4, ls=":")
+        named = sorted({d["head"] for d in comp["differences"]})
+        for p in pairs:
+            if p["head"] in named and any(d["head"] == p["head"] and p["class"] in d["what"] for d in comp["differences"]):
+                ax.scatter([p["paper"]], [p["ours"]], s=40, facecolors="none", edgecolors="red", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{comp['revision']}: {len(named)} head(s) differ", fontsize=8)
+        if named:
+            ax.text(
+                0.02,
+                0.98,
+                "\n".join(named[:6]) + ("\n..." if len(named) > 6 else ""),
+                transform=ax.transAxes,
+                va="top",
+                fontsize=6,
+                color="red",
+            )
+        ax.tick_params(labelsize=6)
+    axes.flat[0].legend(fontsize=6, loc="lower right")
+    fig.supxlabel("paper's selectivity (x baseline)", fontsize=9)
+    fig.supylabel(f"ours ({s.protocol} protocol)", fontsize=9)
+    fig.suptitle(f"{s.label}: head-by-head vs Xu 2026 (the 45 listed heads, six classes)", fontsize=10)
+    fig.tight_layout()
+    name = f"head_comparison_{index}.png"
+    save(fig, out / name)
+    return name
+
+
+def _head_comparison_lines(s: Store, comps: list[dict], figure: str | None) -> list[str]:
+    if not comps:
+        return []
+    lines = [f"### Head by head vs the paper: {s.label}", "", f"Ours: {PROTOCOL_NOTE.get(s.protocol, s.protocol)}.", ""]
+    if figure:
+        lines += [f"![{figure}]({figure})", ""]
+    lines += ["| revision | largest relative deviation | heads whose best class or 30x/50x/100x side differs |", "|---|---|---|"]
+    for c in comps:
+        w = c["largest_deviation"]
+        worst = f"{w['deviation']:.2%} ({w['head']} {w['class']}: ours {w['ours']:.4g}, paper {w['paper']:.4g})" if "head" in w else "0"
+        diffs = "; ".join(f"{d['head']} {d['what']}" for d in c["differences"]) or "none"
+        lines.append(f"| {c['revision']} | {worst} | {diffs} |")
+    return lines + [""]
+
+
+def build_report(
+    stores: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike | None = None,
+    *,
+    reference: dict | None = None,
+    per_head: dict | None = None,
+) -> Path:
+    """Write ``report.md`` and its PNG figures; returns the markdown path.
+
+    ``reference`` / ``per_head``: the published figures and per-head tables to compare with
+    (default: the packaged Xu 2026 data).
+    """
+    reference = reference or F.load_reference()
+    loaded = [Store(p, reference) for p in stores]
     out = Path(out_dir) if out_dir else loaded[0].path / "report"
     out.mkdir(parents=True, exist_ok=True)
-    reference = F.load_reference()
     figures = [
         figure_sink_heads(loaded, out, reference),
         figure_final_layers(loaded, out, reference),
@@ -325,12 +526,15 @@ def build_report(stores: Sequence[str | os.PathLike], out_dir: str | os.PathLike
     ]
     heatmaps = [n for i, s in enumerate(loaded) for n in figure_heatmaps(s, out, i)]
     md = ["# sinkwatch report", ""]
-    md += ["Stores: " + ", ".join(f"`{s.path}` ({s.label}, {len(s.records)} records)" for s in loaded), ""]
+    md += ["Stores:", ""] + [f"- `{s.path}`: {s.label}, {len(s.records)} records, protocol **{s.protocol}**" for s in loaded] + [""]
     for name in figures:
         if name:
             md += [f"![{name}]({name})", ""]
-    for s in loaded:
-        md += [f"## {s.label}", ""] + _trajectory_table(s) + [""]
+    for i, s in enumerate(loaded):
+        md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see SPEC §8')}.", ""]
+        if not s.has_tokens:
+            md += [f"Tokens seen are unknown for these records: figures show the {_x_label([s])}.", ""]
+        md += _trajectory_table(s) + [""]
         if s.failed:
             md += (
                 ["Failed revisions (recorded with their reason; rerun to retry):", ""]
@@ -338,10 +542,144 @@ def build_report(stores: Sequence[str | os.PathLike], out_dir: str | os.PathLike
                 + [""]
             )
         if s.events:
-            md += ["Stage events:", ""] + [f"- {e['message']} (evidence: {e.get('evidence')})" for e in s.events] + [""]
+            md += ["Stage events (the live tracker's rules, docs/stages.md):", ""]
+            md += [f"- {e['message']} (evidence: {e.get('evidence')})" for e in s.events] + [""]
         md += _findings_section(s, reference)
+        comps = head_comparisons(s, per_head)
+        md += _head_comparison_lines(s, comps, figure_head_comparison(s, comps, out, i))
     if heatmaps:
         md += ["## Layer x head heatmaps", ""] + [f"![{n}]({n})" for n in heatmaps] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
+
+
+# ---- the paper's published data alone --------------------------------------------------------------------
+def build_paper_report(out_dir: str | os.PathLike) -> Path:
+    """``sinkwatch report --paper``: what the paper's released tables say, without a replay — the
+    three trajectories, findings by its own rules, per-layer sink counts, PR of the final circuits and
+    the ablations — plus ``findings.json`` (issue 13, Deliver 4). Returns the markdown path."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reference = F.load_reference()
+    ph = F.load_per_head()
+    models = list(reference["models"])
+    trajs = {m: F.trajectory_from_reference(m, reference, ph) for m in models}
+    summary = F.published_findings_json(reference)
+    (out / "findings.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plt = _plt()
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, m in enumerate(models):
+        t = trajs[m]
+        _plot(a1, t.tokens, t.sink_fraction, color=f"C{i}", marker="o", label=m)
+        _plot(a2, t.tokens, t.ind_ge50, color=f"C{i}", marker="o", label=f"{m} >= 50x")
+        _plot(a2, t.tokens, t.ind_ge30, color=f"C{i}", marker="^", ls="--", alpha=0.5, label=f"{m} >= 30x")
+    a2.axhline(F.MIN_HEADS, color="k", lw=0.5, ls=":")
+    a1.set_ylabel("sink-head fraction (first-token >= 30x)")
+    a2.set_ylabel("induction heads (all heads counted)")
+    for ax in (a1, a2):
+        _xaxis(ax, None, log=True, label="tokens seen")
+        _legend(ax)
+    fig.suptitle("Xu 2026, published per-head tables", fontsize=10)
+    fig.tight_layout()
+    save(fig, out / "paper_trajectories.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(models)
+    for i, m in enumerate(models):
+        per = reference["models"][m]["final_sink_heads_per_layer"]
+        ax.bar(np.arange(len(per)) + i * width, per, width, color=f"C{i}", label=f"{m.split('/')[-1]} @ {trajs[m].revisions[-1]}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("sink heads at the final revision")
+    ax.set_ylim(0, ax.get_ylim()[1] * (1 + 0.12 * len(models)))  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    save(fig, out / "paper_final_sink_heads_per_layer.png")
+
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        t = trajs[m]
+        for k, name in enumerate(t.final_induction_set):
+            l, h = (int(x) for x in name[1:].split("H"))
+            _plot(ax, t.tokens, [p[l, h] for p in t.pr], color=f"C{k}", marker="o", label=name)
+        ax.set_title(m.split("/")[-1], fontsize=9)
+        ax.set_ylabel("PR (n = 500, float16)")
+        _xaxis(ax, None, log=True, label="tokens seen")
+        _legend(ax)
+    fig.tight_layout()
+    save(fig, out / "paper_pr_of_final_circuit.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    kinds = ("baseline", "circuit", "matched_random")
+    for k, kind in enumerate(kinds):
+        vals = [summary[m]["ablation_top1"][kind] or 0.0 for m in models]
+        ax.bar(np.arange(len(models)) + k * 0.27, vals, 0.27, label=kind)
+    ax.set_xticks(np.arange(len(models)) + 0.27, [m.split("/")[-1] for m in models], fontsize=8)
+    ax.set_ylabel("top-1 accuracy on B (induction probe)")
+    ax.set_title("group ablation of the >= 50x induction circuit (float16, final checkpoint)", fontsize=9)
+    _legend(ax)
+    fig.tight_layout()
+    save(fig, out / "paper_ablation.png")
+
+    md = [
+        "# Xu 2026: the published data alone",
+        "",
+        "Everything below is computed from sinkwatch's packaged copy of the paper's released tables "
+        "(sinkwatch/data/xu2026_developmental.json, xu2026_per_head.json) by the paper's own rules — no replay. "
+        "`findings.json` beside this file holds the milestones and ablations.",
+        "",
+        "![paper_trajectories.png](paper_trajectories.png)",
+        "",
+        "![paper_final_sink_heads_per_layer.png](paper_final_sink_heads_per_layer.png)",
+        "",
+        "![paper_pr_of_final_circuit.png](paper_pr_of_final_circuit.png)",
+        "",
+        "![paper_ablation.png](paper_ablation.png)",
+        "",
+        "| model | induction formed (rule) | published milestone | sink heads >= 10% | >= 50% | final >= 50x circuit | "
+        "ablation top-1: baseline / circuit / matched random |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in models:
+        f = summary[m]
+        published = reference.get("milestones_tokens_b", {}).get("induction_formed_ge3_heads_ge50", {}).get(m.split("/")[-1])
+        a = f["ablation_top1"]
+        md.append(
+            f"| {m} | {_tokens((f['induction_formed_b'] or 0) * 1e9)} ({f['induction_rule']}: >= 3 heads at >= 50x, all heads) | "
+            f"{_tokens(published * 1e9) if published is not None else '—'} | {_tokens((f['sink_ge10pct_b'] or 0) * 1e9)} | "
+            f"{_tokens((f['sink_ge50pct_b'] or 0) * 1e9)} | {', '.join(trajs[m].final_induction_set)} | "
+            f"{a['baseline']} / {a['circuit']} / {a['matched_random']} |"
+        )
+    md += ["", "## Per revision (counts over all heads)", ""]
+    for m in models:
+        t = trajs[m]
+        md += [f"### {m}", "", "| revision | tokens | sink heads | ind >= 30x | ind >= 50x | >= 50x set |", "|---|---|---|---|---|---|"]
+        for k, rev in enumerate(t.revisions):
+            md.append(
+                f"| {rev} | {_tokens(t.tokens[k])} | {t.sink_heads[k]} | {t.ind_ge30[k]} | {t.ind_ge50[k]} | "
+                f"{', '.join(t.induction_sets[k])} |"
+            )
+        leads = F.findings(t)["pr_lead"]
+        md += ["", f"PR lead (Finding 5; {F.RULES['pr_lead']}), from the released PR trajectories (n = 500, float16):", ""]
+        md += ["| head | PR >= 1.5x first | selectivity >= 50x | lead |", "|---|---|---|---|"]
+        md += [
+            f"| {h['head']} | {_tokens(h['pr_jump_tokens'])} | {_tokens(h['selectivity_50x_tokens'])} | {_fmt(h['lead'])} |" for h in leads
+        ]
+        sweep = ph["ablation_sweep"].get(m)
+        if sweep:
+            md += [
+                "",
+                f"Ablation sweep at `{sweep['revision']}` ({sweep['n_examples']} sequences, float16; one RandomState(123) across "
+                "the thresholds 2, 10, 30, 50, 100):",
+                "",
+                "| condition | heads | top-1 | top-5 | loss |",
+                "|---|---|---|---|---|",
+            ]
+            md += [f"| {r['name']} | {r['n_ablated']} | {r['acc_top1']} | {r['acc_top5']} | {r['loss']:.3f} |" for r in sweep["results"]]
+        md.append("")
     path = out / "report.md"
     path.write_text("\n".join(md) + "\n")
     return path

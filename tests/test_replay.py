@@ -4,13 +4,16 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from trajectory import TOKENS_PER_STEP, hf_cache_from_checkpoints
 
 import sinkwatch.monitor
 from sinkwatch import InductionProbe, RepeatedRandomProbe
+from sinkwatch import metrics as M
 from sinkwatch.cli import main
 from sinkwatch.replay import (
+    StoreMismatchError,
     list_revisions,
     load_recipe,
     merged_records,
@@ -161,8 +164,10 @@ def test_cli_replay_and_report(cache, tmp_path):
 
 
 def test_no_network_fails_fast_with_advice(tmp_path):
-    """Without network replay exits 2 at once with HF_HUB_OFFLINE advice and writes nothing."""
+    """Online mode against an endpoint that refuses at once (the discard port on localhost): the
+    advice path runs, and the test never reaches the real hub even where a network exists."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"
     res = subprocess.run(
         [sys.executable, "-m", "sinkwatch", "replay", "recipes/pythia-1b.yaml", "--out", str(tmp_path)],
         capture_output=True,
@@ -173,6 +178,7 @@ def test_no_network_fails_fast_with_advice(tmp_path):
     )
     assert res.returncode == 2
     assert "cannot reach the Hugging Face hub" in res.stderr and "HF_HUB_OFFLINE=1" in res.stderr
+    assert "hf download" in res.stderr and "huggingface-cli" not in res.stderr  # the current huggingface_hub command
     assert not list(tmp_path.glob("records*.jsonl"))
 
 
@@ -191,3 +197,119 @@ def test_recipes_and_revision_names():
     assert picked[0] == "step0" and picked[-1] == "step143000" and len(picked) == 5
     with pytest.raises(FileNotFoundError, match="no recipe"):
         load_recipe("gpt-7")
+
+
+# ---- protocol, resume keys and the head-by-head comparison (issues 11.1, 11.12, 13) ----------------------------
+def test_a_rerun_with_another_protocol_or_probe_set_is_refused_naming_the_difference(cache, tmp_path):
+    """11.1: a quick n = 8 replay followed by another measurement into the same store used to skip
+    every revision and report the n = 8 numbers as the new ones."""
+    quick = [InductionProbe(n=8, seq_len=64)]
+    rows = run_with(cache, tmp_path, quick, revisions=["step0", "step1300"])
+    assert [r["protocol"] for r in rows] == ["sinkwatch", "sinkwatch"] and rows[0]["replay_key"]["probes"]["induction"]["n"] == 8
+    assert run_with(cache, tmp_path, quick, revisions=["step0", "step1300"]) == []  # the same measurement: done
+    with pytest.raises(StoreMismatchError, match="induction probe n: 8 -> 16"):
+        run_with(cache, tmp_path, [InductionProbe(n=16, seq_len=64)], revisions=["step0", "step1300"])
+    with pytest.raises(StoreMismatchError, match="protocol: sinkwatch -> paper"):
+        run_with(cache, tmp_path, quick, revisions=["step0"], protocol="paper")
+    with pytest.raises(StoreMismatchError, match="dtype: float32 -> bfloat16"):
+        run_with(cache, tmp_path, quick, revisions=["step0"], dtype="bfloat16")
+    assert len(read_jsonl(tmp_path / "records.jsonl")) == 2  # nothing written by the refused runs
+    repo, cache_dir = cache
+    rc = main(
+        [
+            "replay",
+            repo,
+            "--revisions",
+            "step0",
+            "--out",
+            str(tmp_path),
+            "--cache-dir",
+            cache_dir,
+            "--n",
+            "16",
+            "--seq-len",
+            "64",
+            "--no-progress",
+            "--wandb",
+            "disabled",
+        ]
+    )
+    assert rc == 2  # the CLI reports the refusal as an error
+
+
+def test_a_paper_protocol_replay_records_its_protocol_and_a_float16_pr_on_the_first_500(cache, tmp_path):
+    rows = run_with(cache, tmp_path, [InductionProbe(n=8, seq_len=64)], revisions=["step1300"], protocol="paper")
+    r = rows[0]
+    assert r["status"] == "ok" and r["protocol"] == "paper" and r["pr_dtype"] == "float16" and r["pr_sequences"] == 8
+    assert r["dtype"] == "float32" and len(r["pr"]) == r["n_layers"]
+    report = build_report([tmp_path]).read_text()
+    assert "protocol **paper**" in report
+
+
+def run_with(cache, out, probes, **kw):
+    repo, cache_dir = cache
+    return replay(repo, out_dir=out, probes=probes, cache_dir=cache_dir, tokens_per_step=TOKENS_PER_STEP, progress=False, **kw)
+
+
+def planted_reference(records, repo, planted=(1, 1)):
+    """Published figures and per-head tables for the fixture model built from its own records, with
+    one listed head's induction selectivity moved across 30x/50x/100x (the planted mismatch)."""
+    cols = ["layer", "head", "induction", "previous", "duplicate", "first", "self", "local"]
+    L, H = records[0]["n_layers"], records[0]["n_heads"]
+    per_revision, revisions = {}, []
+    for r in records:
+        sel = {c: np.asarray(r["selectivity"][c], dtype=float) for c in M.SELECTIVITY_CLASSES}
+        table = [[l, h] + [float(sel[c][l, h]) for c in cols[2:]] for l in range(L) for h in range(H)]
+        l, h = planted
+        row = table[l * H + h]
+        row[2] = 1.0 if row[2] >= 30 else 500.0
+        per_revision[r["revision"]] = {"heads": [[l_, h_, 0.0] for l_ in range(L) for h_ in range(H)], "all_heads": table}
+        revisions.append({"revision": r["revision"], "tokens_b": r["tokens"] / 1e9, "sink_heads": 0, "ind_ge30": 0})
+    reference = {
+        "models": {repo: {"layers": L, "heads_per_layer": H, "revisions": revisions, "final_sink_heads_per_layer": [0] * L}},
+        "milestones_tokens_b": {},
+    }
+    return reference, {"all_heads_columns": cols, "per_revision": {repo: per_revision}, "pr_trajectories": {}, "ablation_sweep": {}}
+
+
+def test_the_head_by_head_comparison_names_a_planted_mismatch(cache, tmp_path):
+    repo, _ = cache
+    run(cache, tmp_path / "store", revisions=["step0", "step600", "step1300"])
+    reference, per_head = planted_reference(merged_records(tmp_path / "store"), repo)
+    md = build_report([tmp_path / "store"], tmp_path / "rep", reference=reference, per_head=per_head).read_text()
+    assert (tmp_path / "rep" / "head_comparison_0.png").stat().st_size > 5000
+    section = md[md.index("### Head by head vs the paper") :]
+    assert "head_comparison_0.png" in section and "largest relative deviation" in section
+    for rev in ("step0", "step600", "step1300"):
+        line = next(x for x in section.splitlines() if x.startswith(f"| {rev} |"))
+        assert "L1H1 induction" in line  # named, not averaged away
+        other = [d for d in line.split("|")[3].split(";") if d.strip() and not d.strip().startswith("L1H1")]
+        assert other == []  # no other head differs from its own numbers
+    assert "sinkwatch's protocol" in section  # a sinkwatch-protocol number beside a paper number says so
+
+
+def test_report_of_a_replay_without_tokens_labels_steps_and_says_what_does_not_apply(cache, tmp_path):
+    """11.12: a model without a recipe (tokens unknown) — the axis says it shows steps, step 0 stays
+    on the log axis, findings that cannot apply are n/a with the reason."""
+    repo, cache_dir = cache
+    replay(repo, out_dir=tmp_path / "store", probes=PROBES, cache_dir=cache_dir, progress=False, revisions=["step0", "step600", "step1300"])
+    md = build_report([tmp_path / "store"], tmp_path / "rep").read_text()
+    assert "figures show the training step (tokens unknown: replay with --tokens-per-step)" in md
+    from sinkwatch import findings as F
+
+    na = F.findings(F.trajectory_from_records(merged_records(tmp_path / "store")))["not_applicable"]
+    for key, why in na.items():  # every finding that does not apply shows n/a with its reason
+        if key != "pr_lead":
+            assert f"| {key} |" in md and f"n/a ({why})" in md, key
+    from sinkwatch.report import Store, _x_label, _xaxis
+    from sinkwatch.reporting.figures import _plt
+
+    store = Store(tmp_path / "store")
+    assert not store.has_tokens and _x_label([store]).startswith("training step")
+    fig, ax = _plt().subplots()
+    ax.plot(store.x(), [1, 2, 3])
+    _xaxis(ax, [store])
+    assert ax.get_xscale() == "symlog" and 0.0 in list(ax.get_xticks())  # step 0 is on the axis
+    labels = [t for t in ax.get_xticks()]
+    assert len(labels) <= 8
+    _plt().close(fig)
