@@ -12,12 +12,14 @@ on ``resume_from_checkpoint`` whether or not ``restore_callback_states_from_chec
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from .live import LiveConfig, LiveMonitor, is_fsdp
 
@@ -75,6 +77,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.live = LiveMonitor(self.config)
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
         self._tokens_per_step: int | None = None  # estimated from the dataset at train begin
+        self._integrations = None  # the report_to integrations' reporter, set at train begin
         if not restored:
             _latest = weakref.ref(self)
 
@@ -92,6 +95,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             world_size=args.world_size,
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
         )
+        self._report_to_integrations(args, state, control, model)
         dataset = getattr(train_dataloader, "dataset", None)
         ids = _dataset_ids(dataset, self.config.natural_n) if dataset is not None else None
         if ids is not None:
@@ -106,11 +110,42 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, **kwargs):
         self.live.tokens_seen = self._tokens(state)
         self.live.step_end(state.global_step)
+        if control.should_training_stop:
+            # the last step (the flow callbacks, which run first, said so): probe it now, while the
+            # report_to integrations are open; their on_train_end, before ours, closes them
+            self.live.train_end(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._integrations is not None:
+            self._integrations.close()
         self.live.tokens_seen = self._tokens(state)
         self.live.train_end(state.global_step)
         self.live.finish()
+
+    def _report_to_integrations(self, args, state, control, model) -> None:
+        # the scalars go through the Trainer's own logging path to every report_to integration
+        # (W&B excepted: the W&B reporter logs to that run); see sinkwatch.reporting.trainer_integrations
+        self._integrations = None
+        if not state.is_world_process_zero:
+            return
+        handler = _calling_handler(self)
+        if handler is None:
+            warnings.warn(
+                "sinkwatch: could not find the Trainer's CallbackHandler calling on_train_begin; the report_to "
+                "integrations will not get sinkwatch scalars (records.jsonl and W&B still do)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        from .reporting.trainer_integrations import TrainerIntegrationsReporter, TrainerRun
+
+        kinds = tuple(INTEGRATION_TO_CALLBACK.values())
+        integrations = [cb for cb in handler.callbacks if isinstance(cb, kinds)]
+        if integrations:
+            self._integrations = TrainerIntegrationsReporter(integrations, TrainerRun(args, state, control, model))
+            self.live.add_reporter(self._integrations)
 
     def _tokens(self, state) -> int:
         seen = getattr(state, "num_input_tokens_seen", 0) or 0
@@ -119,6 +154,21 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         if self._tokens_per_step is not None:
             return state.global_step * self._tokens_per_step
         return self.live.tokens_seen
+
+
+def _calling_handler(callback) -> CallbackHandler | None:
+    """The CallbackHandler running ``callback``'s hook. transformers hands callbacks neither the
+    Trainer nor its handler; the handler is the caller (``CallbackHandler.call_event``), found a
+    frame or two up and checked to hold this very callback."""
+    frame = sys._getframe(2)  # this function <- the callback's method <- call_event
+    for _ in range(4):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, CallbackHandler) and any(cb is callback for cb in obj.callbacks):
+            return obj
+        frame = frame.f_back
+    return None
 
 
 def _saved_state(state, name: str) -> dict | None:

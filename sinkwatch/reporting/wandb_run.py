@@ -16,6 +16,7 @@ Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ..stages import INDUCTION_STATES, P0_STAGES
@@ -73,6 +74,22 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if f"sinkwatch/{key}" in out:
             out[f"sinkwatch/by_tokens/{key}"] = out[f"sinkwatch/{key}"]
     return out
+
+
+WANDB_ENV_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline", "run": "online"}
+
+
+def wandb_mode_from_env(flag: str | None, default: str = "offline") -> str:
+    """The W&B mode of a run sinkwatch starts itself (``replay``, ``demo``): the explicit flag when
+    given, else ``WANDB_MODE`` (W&B's own switch, honoured as W&B honours it), else ``default``."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return default
+    if env not in WANDB_ENV_MODES:
+        raise ValueError(f"WANDB_MODE={env!r} is not one of {', '.join(WANDB_ENV_MODES)}; fix or unset it, or pass --wandb")
+    return WANDB_ENV_MODES[env]
 
 
 class WandbReporter(Reporter):
