@@ -3,7 +3,7 @@ back from the trackers' own files and APIs; training is unchanged; replay/demo h
 
 A tiny GPT-2 really trains on the copy task. The event is forced cheaply: with the prefix rule's
 "forming" score threshold at 0, every probe says "forming", so with patience 2 the induction
-timeline declares absent -> forming at the second probe (step 5).
+timeline declares absent -> forming at the second probe (step 4).
 """
 
 import csv
@@ -32,10 +32,10 @@ pytest.importorskip("tensorboard")
 
 PROBES = [InductionProbe(n=8, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 STAGES = StageConfig(induction_rule="prefix", prefix_forming_score=0.0, patience=2)
-STEPS, EVERY = 10, 5
-PROBED = [0, 5, 10]
-EVENT = ("induction", "absent", "forming", 5)  # timeline, previous, stage, step
-MESSAGE = "induction circuit: absent -> forming at step 5"
+STEPS, EVERY = 10, 4
+PROBED = [0, 4, 8, 10]  # 10: the end probe (probe_at_end), not a multiple of EVERY
+EVENT = ("induction", "absent", "forming", 4)  # timeline, previous, stage, step
+MESSAGE = "induction circuit: absent -> forming at step 4"
 
 
 @pytest.fixture(autouse=True)
@@ -109,9 +109,9 @@ def mlflow_scalars(client, run_id):
 
 def check_mlflow_event(client, run_id, event, tmp_path):
     tags = client.get_run(run_id).data.tags
-    assert tags["sinkwatch/event/induction"] == "forming at step 5"
+    assert tags["sinkwatch/event/induction"] == "forming at step 4"
     [art] = client.list_artifacts(run_id, "sinkwatch_events")
-    assert art.path == "sinkwatch_events/step000000005_induction.json"
+    assert art.path == "sinkwatch_events/step000000004_induction.json"
     local = client.download_artifacts(run_id, art.path, str(tmp_path))
     assert json.loads(open(local).read()) == json.loads(json.dumps(event))
 
@@ -153,7 +153,7 @@ def test_lightning_loggers_get_every_scalar_and_the_event(tmp_path, mlflow_db):
 
     scal, texts = tensorboard_scalars(tb.log_dir)
     assert_same(scal, records, rel=1e-6)
-    assert list(texts) == [5] and MESSAGE in texts[5] and "[INFO]" in texts[5]
+    assert list(texts) == [4] and MESSAGE in texts[4] and "[INFO]" in texts[4]
 
     rows = list(csv.DictReader(open(f"{csv_logger.log_dir}/metrics.csv")))
     got: dict = {}
@@ -211,7 +211,7 @@ def test_hf_report_to_integrations_get_every_scalar_and_the_event(tmp_path, mlfl
     [logdir] = glob.glob(str(tmp_path / "b" / "out" / "runs" / "*"))
     scal, texts = tensorboard_scalars(logdir, prefix="train/")  # the integration's own prefix, as for train/loss
     assert_same(scal, records, rel=1e-6)
-    assert list(texts) == [5] and MESSAGE in texts[5]
+    assert list(texts) == [4] and MESSAGE in texts[4]
 
     client = mlflow.MlflowClient(tracking_uri=db)
     [run] = client.search_runs([client.get_experiment_by_name("sw-hf").experiment_id])
