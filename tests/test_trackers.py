@@ -268,3 +268,20 @@ def test_replay_honours_wandb_mode_disabled(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert main([*argv, "--out", str(tmp_path / "on")]) == 0
     assert list((tmp_path / "on" / "wandb").glob("offline-run-*"))
+
+
+def test_a_failing_logger_warns_once_and_the_others_still_log(tmp_path):
+    import os
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from sinkwatch.reporting.lightning_loggers import lightning_loggers_reporter
+
+    bad, good = CSVLogger(str(tmp_path / "bad"), name="", version=0), CSVLogger(str(tmp_path / "good"), name="", version=0)
+    os.makedirs(os.path.join(bad.log_dir, "metrics.csv"))  # a directory where the CSV file must go: every save fails
+    reporter = lightning_loggers_reporter([bad, good])
+    with pytest.warns(RuntimeWarning, match="Lightning CSVLogger reporter failed in log_record"):
+        for step in (3, 6):
+            reporter.log_record({"step": step, "tokens": 32 * step, "sink_rate": step / 10})
+    rows = list(csv.DictReader(open(os.path.join(good.log_dir, "metrics.csv"))))
+    assert [(int(r["step"]), float(r["sinkwatch/sink_rate"]), int(r["sinkwatch/tokens"])) for r in rows] == [(3, 0.3, 96), (6, 0.6, 192)]
