@@ -138,6 +138,11 @@ class ProbeTarget:
     def context(self) -> int | None:
         return None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the target's parameters live: probe tokens are moved there."""
+        return next(self.module.parameters()).device
+
     @contextlib.contextmanager
     def capture(self, collector: Collector) -> Iterator[Callable[..., torch.Tensor]]:
         """Yield ``forward(input_ids, all_logits: bool) -> logits (B, S or 1, V)`` with capture on."""

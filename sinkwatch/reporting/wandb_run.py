@@ -22,6 +22,16 @@ from typing import Any
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
 
+# The ``wandb=`` option of the callbacks (LiveConfig.wandb) and of replay (--wandb). Every rule for
+# it lives here, in ``wandb_reporter`` and ``WandbReporter.run``:
+#   auto      the trainer's run (WandbLogger / WandbCallback) or ``wandb.run``; when there is none,
+#             sinkwatch starts one offline, or leaves the mode to wandb when WANDB_MODE is set
+#   online    log to ``wandb.run`` if one exists, else start an online run
+#   offline   log to ``wandb.run`` if one exists, else start an offline run (no account needed)
+#   disabled  no W&B reporter at all
+# ``sinkwatch replay``/``demo`` without --wandb: WANDB_MODE, else offline (``wandb_mode_from_env``).
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
 HEADLINE = (
     "sink_rate",
     "n_induction_ge50",
@@ -90,6 +100,28 @@ def wandb_mode_from_env(flag: str | None, default: str = "offline") -> str:
     if env not in WANDB_ENV_MODES:
         raise ValueError(f"WANDB_MODE={env!r} is not one of {', '.join(WANDB_ENV_MODES)}; fix or unset it, or pass --wandb")
     return WANDB_ENV_MODES[env]
+def wandb_reporter(
+    option: str,
+    *,
+    trainer_run=None,
+    project: str = "sinkwatch",
+    dir: str | None = None,
+    heatmap_every: int = 5,
+    init_kwargs: dict | None = None,
+) -> WandbReporter | None:
+    """The reporter for ``wandb=option`` (None when disabled). ``trainer_run``: the run the training
+    framework already logs to, used only with "auto". Raises ImportError without wandb installed."""
+    if option not in WANDB_MODES:
+        raise ValueError(f"wandb must be one of {WANDB_MODES}, got {option!r}")
+    if option == "disabled":
+        return None
+    if option == "auto":
+        # "auto" as WandbReporter's mode: wandb.init without mode=, so WANDB_MODE decides
+        mode = "auto" if os.environ.get("WANDB_MODE") else "offline"
+        run = trainer_run
+    else:
+        mode, run = option, None
+    return WandbReporter(run, mode=mode, project=project, dir=dir, heatmap_every=heatmap_every, init_kwargs=init_kwargs)
 
 
 class WandbReporter(Reporter):
