@@ -4,7 +4,8 @@
     trainer = transformers.Trainer(..., callbacks=[SinkWatchTrainerCallback()])
 
 Probes after every ``every_n_steps``-th optimizer step (``on_step_end`` fires once per optimizer
-step, whatever ``gradient_accumulation_steps``), at step 0 and at the end. The natural probe is
+step, whatever ``gradient_accumulation_steps``), at step 0 and at the last step (in its ``on_step_end``,
+while the ``report_to`` integrations, which get the scalars too, are still open). The natural probe is
 read from the first items of the training dataset (reading items draws no random numbers, so
 training is unchanged). Its state rides in ``TrainerState`` (``ExportableState``) and is restored
 on ``resume_from_checkpoint`` whether or not ``restore_callback_states_from_checkpoint`` is set.
@@ -173,8 +174,8 @@ def _calling_handler(callback) -> CallbackHandler | None:
     """The CallbackHandler running ``callback``'s hook. transformers hands callbacks neither the
     Trainer nor its handler; the handler is the caller (``CallbackHandler.call_event``), found a
     frame or two up and checked to hold this very callback."""
-    frame = sys._getframe(2)  # this function <- the callback's method <- call_event
-    for _ in range(4):
+    frame = sys._getframe(1)  # our caller; call_event is a few frames up (on_train_begin's caller)
+    for _ in range(6):
         if frame is None:
             break
         obj = frame.f_locals.get("self")
