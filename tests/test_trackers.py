@@ -143,6 +143,7 @@ def lightning_run(tmp_path, mlflow_db, with_callback):
 
 
 def test_lightning_loggers_get_every_scalar_and_the_event(tmp_path, mlflow_db):
+    """TensorBoard, CSV and MLflow loggers hold every probe's scalars and the event; training is bit-identical."""
     losses_a, params_a, _ = lightning_run(tmp_path / "a", mlflow_db, with_callback=False)
     losses_b, params_b, (tb, csv_logger, ml) = lightning_run(tmp_path / "b", mlflow_db, with_callback=True)
     assert losses_a == losses_b and len(losses_a) == STEPS  # bit-identical training with the trackers on
@@ -199,6 +200,7 @@ def hf_run(tmp_path, mlflow_db, monkeypatch, with_callback):
 
 
 def test_hf_report_to_integrations_get_every_scalar_and_the_event(tmp_path, mlflow_db, monkeypatch):
+    """report_to tensorboard and mlflow get every probe's scalars and the event; loss log and training unchanged."""
     losses_a, history_a, params_a, _ = hf_run(tmp_path / "a", mlflow_db, monkeypatch, with_callback=False)
     losses_b, history_b, params_b, db = hf_run(tmp_path / "b", mlflow_db, monkeypatch, with_callback=True)
     assert losses_a == losses_b and len(losses_a) == STEPS  # the loss is logged as often as before, identical
@@ -222,6 +224,7 @@ def test_hf_report_to_integrations_get_every_scalar_and_the_event(tmp_path, mlfl
 
 # ---- WANDB_MODE for the runs sinkwatch starts itself -------------------------------------------------
 def test_wandb_mode_follows_the_flag_then_the_environment(monkeypatch):
+    """--wandb wins, then WANDB_MODE, then offline; a bad WANDB_MODE is a clear error."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
     assert wandb_mode_from_env(None) == "offline"  # no account needed by default
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -234,6 +237,7 @@ def test_wandb_mode_follows_the_flag_then_the_environment(monkeypatch):
 
 
 def test_demo_honours_wandb_mode_disabled(tmp_path, monkeypatch):
+    """sinkwatch demo without --wandb starts no W&B run under WANDB_MODE=disabled."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "2", "--every", "2", "--out", str(out)]) == 0
@@ -242,6 +246,7 @@ def test_demo_honours_wandb_mode_disabled(tmp_path, monkeypatch):
 
 
 def test_replay_honours_wandb_mode_disabled(tmp_path, monkeypatch):
+    """sinkwatch replay without --wandb follows WANDB_MODE: disabled starts no run, offline does."""
     from trajectory import hf_cache_from_checkpoints
 
     build("llama").save_pretrained(tmp_path / "step0")  # one revision of an untrained tiny model is enough here
@@ -271,6 +276,7 @@ def test_replay_honours_wandb_mode_disabled(tmp_path, monkeypatch):
 
 
 def test_a_failing_logger_warns_once_and_the_others_still_log(tmp_path):
+    """A logger that raises gets one warning; the other loggers still get every record."""
     import os
 
     from lightning.pytorch.loggers import CSVLogger
