@@ -85,6 +85,7 @@ def cmd_probe(args) -> int:
 def cmd_replay(args) -> int:
     from .monitor import MonitorConfig
     from .replay import Recipe, is_recipe, load_recipe, parse_shard, replay
+    from .reporting.wandb_run import wandb_mode_from_env
 
     if is_recipe(args.target):
         recipe = load_recipe(args.target)
@@ -109,7 +110,7 @@ def cmd_replay(args) -> int:
         cache_dir=args.cache_dir,
         tokens_per_step=args.tokens_per_step,
         monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens is not None else None,
-        wandb=args.wandb,
+        wandb=wandb_mode_from_env(args.wandb),
         progress=not args.no_progress,
         protocol=args.protocol,
     )
@@ -182,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--wandb",
         choices=("offline", "online", "disabled"),
-        default="offline",
-        help="log the replay to W&B on a tokens axis (default offline)",
+        default=None,
+        help="log the replay to W&B on a tokens axis (default: as WANDB_MODE says, else offline)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument(
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
     d.add_argument("--out", default="sinkwatch-demo", help="output directory (records, events, report)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--wandb", choices=("offline", "online", "disabled"), default="offline")
+    d.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None, help="default: as WANDB_MODE says, else offline")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--every", type=int, default=100, help="probe every N steps (default 100)")
     d.set_defaults(func=cmd_demo)

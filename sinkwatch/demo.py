@@ -69,7 +69,8 @@ def add_pretrain_arguments(ap) -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--wandb", default="offline", choices=("offline", "online", "disabled"))
+    # auto: the callback's rule (the trainer's run, else offline or as WANDB_MODE says)
+    ap.add_argument("--wandb", default="auto", choices=("auto", "offline", "online", "disabled"))
 
 
 def pretrain_corpus(text: str | None, tokenizer: str) -> tuple[np.ndarray, int, tuple[int, int] | None]:
@@ -100,7 +101,7 @@ def run_demo(
     steps: int = 2000,
     out: str = "sinkwatch-demo",
     seed: int = 0,
-    wandb: str = "offline",
+    wandb: str | None = None,  # None: as WANDB_MODE says, else offline
     device: str = "cpu",
     every: int = 100,
     batch_size: int = 16,
@@ -116,8 +117,10 @@ def run_demo(
     from .probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
     from .report import build_report
     from .reporting.console import ConsoleReporter
+    from .reporting.wandb_run import wandb_mode_from_env
 
     t0 = time.perf_counter()
+    wandb = wandb_mode_from_env(wandb)
     os.environ.setdefault("WANDB_SILENT", "true")  # the demo's own output: progress bar, events, summary
     if threads:
         torch.set_num_threads(threads)

@@ -4,7 +4,8 @@
     trainer = transformers.Trainer(..., callbacks=[SinkWatchTrainerCallback()])
 
 Probes after every ``every_n_steps``-th optimizer step (``on_step_end`` fires once per optimizer
-step, whatever ``gradient_accumulation_steps``), at step 0 and at the end. Trainer callbacks never
+step, whatever ``gradient_accumulation_steps``), at step 0 and at the last step (in its ``on_step_end``,
+while the ``report_to`` integrations, which get the scalars too, are still open). Trainer callbacks never
 see the batches, so a forward pre-hook on the model reads each training forward's ``input_ids``
 (and ``attention_mask``): the natural probe is frozen from the first micro-batch the trainer
 actually feeds — map-style or streaming (``IterableDataset``) data alike; sinkwatch never reads
@@ -17,13 +18,15 @@ changed. Its state rides in ``TrainerState`` (``ExportableState``) and is restor
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 from dataclasses import fields
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from .live import LiveConfig, LiveMonitor
 
@@ -43,11 +46,11 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         probe_at_start: probe the initial model at step 0 (default True).
         probe_at_end: probe the last step if not already probed (default True).
         out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
-        tokens_per_step: tokens per optimizer step (default None: ``num_input_tokens_seen``, else batch size x
-            accumulation x world size x sequence length).
+        tokens_per_step: tokens per optimizer step (default None: the Trainer's ``num_input_tokens_seen`` when
+            ``include_num_input_tokens_seen`` is on, else counted from the batches fed, times data-parallel ranks).
         probes: probe recipes or ``ProbeSet``s (default None: induction 100 x 256, repeated 32 x 128 and
             natural windows, fitted to the model).
-        natural: with the default probes, freeze natural windows from the first training dataset items (default True).
+        natural: with the default probes, freeze natural windows from the first training batch fed (default True).
         natural_n: natural windows (default 32).
         natural_seq_len: tokens per natural window (default 64).
         monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
@@ -80,6 +83,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
         self._hook = None  # the forward pre-hook that reads training batches
         self._step0_pending = False  # the step-0 probe waits for the first batch (natural probe)
+        self._integrations = None  # the report_to integrations' reporter, set at train begin
         if not restored:
             _latest = weakref.ref(self)
 
@@ -97,6 +101,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             world_size=data_parallel_size(args),
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
         )
+        self._report_to_integrations(args, state, control, model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
         if self._hook is not None:
             self._hook.remove()
@@ -132,14 +137,45 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, **kwargs):
         self._sync_tokens(state)
         self.live.step_end(state.global_step)
+        if control.should_training_stop:
+            # the last step (the flow callbacks, which run first, said so): probe it now, while the
+            # report_to integrations are open; their on_train_end, before ours, closes them
+            self.live.train_end(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._integrations is not None:
+            self._integrations.close()
         self._sync_tokens(state)
         self.live.train_end(state.global_step)
         self.live.finish()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def _report_to_integrations(self, args, state, control, model) -> None:
+        # the scalars go through the Trainer's own logging path to every report_to integration
+        # (W&B excepted: the W&B reporter logs to that run); see sinkwatch.reporting.trainer_integrations
+        self._integrations = None
+        if not state.is_world_process_zero:
+            return
+        handler = _calling_handler(self)
+        if handler is None:
+            warnings.warn(
+                "sinkwatch: could not find the Trainer's CallbackHandler calling on_train_begin; the report_to "
+                "integrations will not get sinkwatch scalars (records.jsonl and W&B still do)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        from .reporting.trainer_integrations import TrainerIntegrationsReporter, TrainerRun
+
+        kinds = tuple(INTEGRATION_TO_CALLBACK.values())
+        integrations = [cb for cb in handler.callbacks if isinstance(cb, kinds)]
+        if integrations:
+            self._integrations = TrainerIntegrationsReporter(integrations, TrainerRun(args, state, control, model))
+            self.live.add_reporter(self._integrations)
 
     def _sync_tokens(self, state) -> None:
         if self._trainer_counts_tokens:  # the Trainer's own count, gathered over ranks (restored on resume)
@@ -175,6 +211,21 @@ def refuse_zero3(args, model) -> None:
             "FSDP/FSDP2 through accelerate (every rank probes together), or save checkpoints and probe them "
             "afterwards with `sinkwatch replay` / `sinkwatch probe`."
         )
+
+
+def _calling_handler(callback) -> CallbackHandler | None:
+    """The CallbackHandler running ``callback``'s hook. transformers hands callbacks neither the
+    Trainer nor its handler; the handler is the caller (``CallbackHandler.call_event``), found a
+    frame or two up and checked to hold this very callback."""
+    frame = sys._getframe(1)  # our caller; call_event is a few frames up (on_train_begin's caller)
+    for _ in range(6):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, CallbackHandler) and any(cb is callback for cb in obj.callbacks):
+            return obj
+        frame = frame.f_back
+    return None
 
 
 def _saved_state(state, name: str) -> dict | None:

@@ -85,6 +85,15 @@ class SinkWatchCallback(Callback):
             world_size=data_parallel_size(trainer),
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
         )
+        self._report_to_loggers(trainer)
+
+    def _report_to_loggers(self, trainer: pl.Trainer) -> None:
+        # the trainer's own loggers (TensorBoard, MLflow, CSV, ...) get the scalars and events too;
+        # W&B loggers stay with the W&B reporter (see sinkwatch.reporting.lightning_loggers)
+        if trainer.is_global_zero and trainer.loggers:
+            from .reporting.lightning_loggers import lightning_loggers_reporter
+
+            self.live.add_reporter(lightning_loggers_reporter(trainer.loggers))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.live.batch_start(batch)

@@ -239,6 +239,12 @@ class LiveMonitor:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
 
+    def add_reporter(self, reporter: Reporter) -> None:
+        """A reporter the adapter builds from the trainer (its loggers, its report_to integrations),
+        added after ``setup`` and before the first probe; a no-op on ranks that do not report."""
+        if isinstance(self.reporter, MultiReporter):
+            self.reporter.reporters.append(reporter)
+
     def _make_reporters(self, wandb_run) -> Reporter:
         cfg = self.config
         self.jsonl = JSONLReporter(cfg.out_dir)

@@ -30,6 +30,7 @@ from .base import Reporter
 #   online    log to ``wandb.run`` if one exists, else start an online run
 #   offline   log to ``wandb.run`` if one exists, else start an offline run (no account needed)
 #   disabled  no W&B reporter at all
+# ``sinkwatch replay``/``demo`` without --wandb: WANDB_MODE, else offline (``wandb_mode_from_env``).
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 HEADLINE = (
@@ -86,6 +87,20 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+WANDB_ENV_MODES = {"online": "online", "offline": "offline", "disabled": "disabled", "dryrun": "offline", "run": "online"}
+
+
+def wandb_mode_from_env(flag: str | None, default: str = "offline") -> str:
+    """The W&B mode of a run sinkwatch starts itself (``replay``, ``demo``): the explicit flag when
+    given, else ``WANDB_MODE`` (W&B's own switch, honoured as W&B honours it), else ``default``."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return default
+    if env not in WANDB_ENV_MODES:
+        raise ValueError(f"WANDB_MODE={env!r} is not one of {', '.join(WANDB_ENV_MODES)}; fix or unset it, or pass --wandb")
+    return WANDB_ENV_MODES[env]
 def wandb_reporter(
     option: str,
     *,
