@@ -58,37 +58,61 @@ def main():
         torch.distributed.barrier()
     tokenizer = TokenizerConfig(vocab_size=vocab, eos_token_id=0, pad_token_id=0)
     dataset = NumpyFSLDatasetConfig(
-        tokenizer=tokenizer, paths=[str(data_dir / "tokens.npy")], sequence_length=args.seq_len, work_dir=str(data_dir / "work"),
+        tokenizer=tokenizer,
+        paths=[str(data_dir / "tokens.npy")],
+        sequence_length=args.seq_len,
+        work_dir=str(data_dir / "work"),
         dtype="uint16" if vocab <= 2**16 else "uint32",
     ).build()
     model = TransformerConfig.llama_like(
-        d_model=args.d_model, vocab_size=vocab, n_layers=args.layers, n_heads=args.heads, block_name=TransformerBlockType.reordered_norm,
-        qk_norm=True, hidden_size_multiple_of=64, layer_norm_eps=1e-6,
+        d_model=args.d_model,
+        vocab_size=vocab,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        block_name=TransformerBlockType.reordered_norm,
+        qk_norm=True,
+        hidden_size_multiple_of=64,
+        layer_norm_eps=1e-6,
     ).build(init_device="meta" if args.device != "cpu" else "cpu")
     device = torch.device(args.device)
     dp = TransformerDataParallelConfig(name=DataParallelType(args.dp)) if is_distributed() else None
     train_module = TransformerTrainModuleConfig(
-        rank_microbatch_size=args.batch_size * args.seq_len, max_sequence_length=args.seq_len,
-        optim=AdamWConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)), dp_config=dp,
+        rank_microbatch_size=args.batch_size * args.seq_len,
+        max_sequence_length=args.seq_len,
+        optim=AdamWConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
+        dp_config=dp,
     ).build(model, device=device)
     world = torch.distributed.get_world_size() if is_distributed() else 1
-    loader = NumpyDataLoaderConfig(global_batch_size=args.batch_size * args.seq_len * world, seed=0, work_dir=str(data_dir / "work"), num_workers=0).build(dataset)
+    loader = NumpyDataLoaderConfig(
+        global_batch_size=args.batch_size * args.seq_len * world, seed=0, work_dir=str(data_dir / "work"), num_workers=0
+    ).build(dataset)
 
     callbacks = {"checkpointer": CheckpointerCallback(save_interval=args.save_interval, save_async=False)}
     if not args.no_sinkwatch:
         # (2) probes fitted to the data: byte-level text lives in printable ASCII; tokenizer vocabularies use the paper's range
-        probes = [InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
-                  RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range)]
+        probes = [
+            InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
+            RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
+        ]
         every = {} if args.every is None else {"every_n_steps": args.every}
-        callbacks["sinkwatch"] = SinkWatchCallback(out_dir=str(out / "sinkwatch"), probes=probes, wandb=args.wandb, **every)  # (3) the callback
+        callbacks["sinkwatch"] = SinkWatchCallback(
+            out_dir=str(out / "sinkwatch"), probes=probes, wandb=args.wandb, **every
+        )  # (3) the callback
     trainer = TrainerConfig(
-        save_folder=str(out / "checkpoints"), work_dir=str(out / "work"), max_duration=Duration.steps(args.steps), device=args.device,
-        metrics_collect_interval=50, callbacks=callbacks,  # (4) attach it: a named callback like OLMo-core's own
+        save_folder=str(out / "checkpoints"),
+        work_dir=str(out / "work"),
+        max_duration=Duration.steps(args.steps),
+        device=args.device,
+        metrics_collect_interval=50,
+        callbacks=callbacks,  # (4) attach it: a named callback like OLMo-core's own
     ).build(train_module, loader)
     t0 = time.perf_counter()
     trainer.fit()
     if get_rank() == 0:
-        print(f"fit: {time.perf_counter() - t0:.1f} s for {args.steps} steps" + ("" if args.no_sinkwatch else f"; records: {out}/sinkwatch/records.jsonl; report: sinkwatch report {out}/sinkwatch"))
+        print(
+            f"fit: {time.perf_counter() - t0:.1f} s for {args.steps} steps"
+            + ("" if args.no_sinkwatch else f"; records: {out}/sinkwatch/records.jsonl; report: sinkwatch report {out}/sinkwatch")
+        )
     if is_distributed():
         teardown_training_environment()
 

@@ -229,3 +229,12 @@ def test_events_reach_the_wandb_run_and_the_slack_webhook(tmp_path, monkeypatch)
     alerts = [r for r in sw.live.reporter.reporters if r.name == "wandb"]
     assert len(alerts) == 1 and len(alerts[0].alerts) == len(events)
     assert alerts[0].run is not None and alerts[0].run.name == "tiny"  # the W&B callback's run, not a second one
+
+
+def test_sinkwatch_never_imports_olmo_core_itself():
+    """The adapter alone imports olmo_core: the default install and the other adapters never need it."""
+    import subprocess
+    import sys
+
+    code = "import sys, sinkwatch, sinkwatch.capture, sinkwatch.live, sinkwatch.monitor; assert 'olmo_core' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
