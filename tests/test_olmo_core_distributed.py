@@ -14,11 +14,17 @@ import torch
 
 pytest.importorskip("olmo_core")
 
-from test_distributed import _free_port  # noqa: E402
-
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 
 HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
