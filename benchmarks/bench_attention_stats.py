@@ -87,7 +87,9 @@ def methods(q, k, v, scale, device):
     out = {
         "triton": lambda: attention_stats(q, k, scale, backend="triton"),
         "torch_path": lambda: attention_stats(q, k, scale, backend="torch"),
-        "triton_last_row": lambda: attention_stats(q, k, scale, rows=torch.full((q.shape[0], 1), q.shape[2] - 1, device=q.device), backend="triton"),
+        "triton_last_row": lambda: attention_stats(
+            q, k, scale, rows=torch.full((q.shape[0], 1), q.shape[2] - 1, device=q.device), backend="triton"
+        ),
         "eager_weights": eager,
         "sdpa_flash": sdpa_flash,
     }
@@ -138,8 +140,10 @@ def main() -> None:
         print("\n  D     S |  triton ms  sdpa ms  eager ms  torch ms | eager/triton  triton/sdpa | triton MiB  eager MiB")
         for r in rows:
             print(
-                f"{r['D']:>3} {r['S']:>5} | {r['triton_ms']:9.3f} {r['sdpa_flash_ms']:8.3f} {r['eager_weights_ms']:9.3f} {r['torch_path_ms']:9.3f} | "
-                f"{r['eager_over_triton_time']:12.1f} {r['triton_over_sdpa_time']:12.2f} | {r['triton_mib']:10.1f} {r['eager_weights_mib']:10.1f}"
+                f"{r['D']:>3} {r['S']:>5} | {r['triton_ms']:9.3f} {r['sdpa_flash_ms']:8.3f} "
+                f"{r['eager_weights_ms']:9.3f} {r['torch_path_ms']:9.3f} | "
+                f"{r['eager_over_triton_time']:12.1f} {r['triton_over_sdpa_time']:12.2f} | "
+                f"{r['triton_mib']:10.1f} {r['eager_weights_mib']:10.1f}"
             )
     print(f"CSV: {write_csv(rows, args.csv)}")
 

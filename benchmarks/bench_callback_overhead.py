@@ -29,7 +29,16 @@ def worker(with_callback: bool, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     pl.seed_everything(0, verbose=False)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (steps * 16 + 16, 128), generator=g)
@@ -51,7 +60,17 @@ def worker(with_callback: bool, steps: int, threads: int) -> dict:
         from sinkwatch.lightning import SinkWatchCallback
 
         callbacks.append(SinkWatchCallback(out_dir=out, wandb="offline", console=False))  # the defaults
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=16)
     t0 = time.perf_counter()
     trainer.fit(Lit(), loader)
@@ -76,7 +95,12 @@ def main() -> None:
     runs = []
     for _ in range(args.repeat):
         for mode in ("off", "on"):
-            res = subprocess.run([sys.executable, __file__, "--worker", mode, "--steps", str(args.steps), "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps), "--threads", str(args.threads)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"  {mode:3s}: {runs[-1]['wall_s']:.1f} s ({runs[-1]['probes']} probes)", file=sys.stderr)
     off = statistics.median(r["wall_s"] for r in runs if not r["with_callback"])

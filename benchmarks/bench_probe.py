@@ -100,13 +100,29 @@ def main() -> None:
     rows = []
     for seq in args.seq:
         for mode in MODES:
-            cmd = [sys.executable, __file__, "--worker", mode, str(seq), "--batch", str(args.batch), "--repeat", str(args.repeat), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                str(seq),
+                "--batch",
+                str(args.batch),
+                "--repeat",
+                str(args.repeat),
+                "--threads",
+                str(args.threads),
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"  measured {mode:6s} S={seq}: {rows[-1]['time_s']:.3f} s, {rows[-1]['peak_mib']:.0f} MiB", file=sys.stderr)
 
     print(f"\nPythia-160m-shaped model, batch {args.batch}, {args.threads} threads; memory = peak RSS above the loaded model\n")
-    head = f"{'S':>5} | {'plain s':>8} {'probe s':>8} {'eager s':>8} | {'plain MiB':>9} {'hidden MiB':>10} {'probe MiB':>9} {'eager MiB':>9} | {'probe/plain t':>13} {'probe/plain mem':>15} {'probe/hidden mem':>16} {'eager/probe mem':>15}"
+    head = (
+        f"{'S':>5} | {'plain s':>8} {'probe s':>8} {'eager s':>8} | "
+        f"{'plain MiB':>9} {'hidden MiB':>10} {'probe MiB':>9} {'eager MiB':>9} | "
+        f"{'probe/plain t':>13} {'probe/plain mem':>15} {'probe/hidden mem':>16} {'eager/probe mem':>15}"
+    )
     print(head)
     print("-" * len(head))
     table = []
@@ -114,8 +130,14 @@ def main() -> None:
         r = {row["mode"]: row for row in rows if row["seq"] == seq}
         line = {
             "seq": seq,
-            "plain_s": r["plain"]["time_s"], "hidden_s": r["hidden"]["time_s"], "probe_s": r["probe"]["time_s"], "eager_s": r["eager"]["time_s"],
-            "plain_mib": r["plain"]["peak_mib"], "hidden_mib": r["hidden"]["peak_mib"], "probe_mib": r["probe"]["peak_mib"], "eager_mib": r["eager"]["peak_mib"],
+            "plain_s": r["plain"]["time_s"],
+            "hidden_s": r["hidden"]["time_s"],
+            "probe_s": r["probe"]["time_s"],
+            "eager_s": r["eager"]["time_s"],
+            "plain_mib": r["plain"]["peak_mib"],
+            "hidden_mib": r["hidden"]["peak_mib"],
+            "probe_mib": r["probe"]["peak_mib"],
+            "eager_mib": r["eager"]["peak_mib"],
         }
         line["probe_over_plain_time"] = line["probe_s"] / line["plain_s"]
         line["probe_over_plain_mem"] = line["probe_mib"] / line["plain_mib"]
@@ -123,8 +145,10 @@ def main() -> None:
         line["eager_over_probe_mem"] = line["eager_mib"] / line["probe_mib"]
         table.append(line)
         print(
-            f"{seq:>5} | {line['plain_s']:8.3f} {line['probe_s']:8.3f} {line['eager_s']:8.3f} | {line['plain_mib']:9.0f} {line['hidden_mib']:10.0f} {line['probe_mib']:9.0f} {line['eager_mib']:9.0f} | "
-            f"{line['probe_over_plain_time']:13.2f} {line['probe_over_plain_mem']:15.2f} {line['probe_over_hidden_mem']:16.2f} {line['eager_over_probe_mem']:15.1f}"
+            f"{seq:>5} | {line['plain_s']:8.3f} {line['probe_s']:8.3f} {line['eager_s']:8.3f} | "
+            f"{line['plain_mib']:9.0f} {line['hidden_mib']:10.0f} {line['probe_mib']:9.0f} {line['eager_mib']:9.0f} | "
+            f"{line['probe_over_plain_time']:13.2f} {line['probe_over_plain_mem']:15.2f} "
+            f"{line['probe_over_hidden_mem']:16.2f} {line['eager_over_probe_mem']:15.1f}"
         )
     print(f"\nCSV: {write_csv(table, args.csv)}")
 

@@ -46,7 +46,15 @@ def worker(shape_name: str, n: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, bos_token_id=0, eos_token_id=0, **SHAPES[shape_name])
+    cfg = GPTNeoXConfig(
+        vocab_size=50304,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        **SHAPES[shape_name],
+    )
     model = GPTNeoXForCausalLM(cfg).eval()
     monitor = sw.Monitor([sw.InductionProbe(n=n, seq_len=256)])  # the paper's probe, first n sequences
     monitor.probe_sets(50304)
@@ -55,7 +63,14 @@ def worker(shape_name: str, n: int, threads: int) -> dict:
     snap = monitor.probe(model, track=False)
     seconds = time.perf_counter() - t0
     assert snap["n_induction_ge30"] >= 0
-    return {"shape": shape_name, "n": n, "seconds": seconds, "rss_loaded_mib": loaded, "peak_rss_mib": proc_status_mib("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "shape": shape_name,
+        "n": n,
+        "seconds": seconds,
+        "rss_loaded_mib": loaded,
+        "peak_rss_mib": proc_status_mib("VmHWM"),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -71,7 +86,12 @@ def main() -> None:
         return
 
     def run(shape, n):
-        res = subprocess.run([sys.executable, __file__, "--worker", shape, str(n), "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--worker", shape, str(n), "--threads", str(args.threads)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return json.loads(res.stdout.strip().splitlines()[-1])
 
     small = run("pythia-160m", args.n_time)
@@ -83,13 +103,36 @@ def main() -> None:
     L, d = 16, 2048
     growth = lambda n: n * (L * d + L + L * 8 * 64 + L * 8 * 8) * 4 / 2**20  # noqa: E731
     peak_2000 = big["peak_rss_mib"] + growth(2000) - growth(big["n"])
-    print(f"\ntime   Pythia-160m shape, {small['n']} sequences: {small['seconds']:.1f} s = {per_seq:.2f} s/sequence, {args.threads} threads")
-    print(f"       -> 2000 sequences: {t_small / 60:.1f} min per revision at 160m; x{flops_per_token(SHAPES['pythia-1b']) / flops_per_token(SHAPES['pythia-160m']):.1f} FLOPs/token -> ~{t_1b / 3600:.1f} h per Pythia-1B revision on this CPU")
-    print(f"memory Pythia-1B shape, float32 ({big['params'] / 1e9:.2f}B params), {big['n']} sequences: loaded {big['rss_loaded_mib'] / 1024:.1f} GiB, peak {big['peak_rss_mib'] / 1024:.1f} GiB")
+    print(
+        f"\ntime   Pythia-160m shape, {small['n']} sequences: {small['seconds']:.1f} s = {per_seq:.2f} s/sequence, {args.threads} threads"
+    )
+    print(
+        f"       -> 2000 sequences: {t_small / 60:.1f} min per revision at 160m; "
+        f"x{flops_per_token(SHAPES['pythia-1b']) / flops_per_token(SHAPES['pythia-160m']):.1f} FLOPs/token "
+        f"-> ~{t_1b / 3600:.1f} h per Pythia-1B revision on this CPU"
+    )
+    print(
+        f"memory Pythia-1B shape, float32 ({big['params'] / 1e9:.2f}B params), {big['n']} sequences: "
+        f"loaded {big['rss_loaded_mib'] / 1024:.1f} GiB, peak {big['peak_rss_mib'] / 1024:.1f} GiB"
+    )
     print(f"       -> 2000 sequences: peak ~{peak_2000 / 1024:.1f} GiB (limit 24 GiB)")
     rows = [
-        {"measure": "time", "shape": "pythia-160m", "n": small["n"], "seconds": small["seconds"], "peak_rss_mib": small["peak_rss_mib"], "extrapolated": f"{t_small:.0f}s@2000 (160m), {t_1b:.0f}s@2000 (1b)"},
-        {"measure": "memory", "shape": "pythia-1b", "n": big["n"], "seconds": big["seconds"], "peak_rss_mib": big["peak_rss_mib"], "extrapolated": f"{peak_2000:.0f}MiB@2000"},
+        {
+            "measure": "time",
+            "shape": "pythia-160m",
+            "n": small["n"],
+            "seconds": small["seconds"],
+            "peak_rss_mib": small["peak_rss_mib"],
+            "extrapolated": f"{t_small:.0f}s@2000 (160m), {t_1b:.0f}s@2000 (1b)",
+        },
+        {
+            "measure": "memory",
+            "shape": "pythia-1b",
+            "n": big["n"],
+            "seconds": big["seconds"],
+            "peak_rss_mib": big["peak_rss_mib"],
+            "extrapolated": f"{peak_2000:.0f}MiB@2000",
+        },
     ]
     print(f"CSV: {write_csv(rows, args.csv)}")
 

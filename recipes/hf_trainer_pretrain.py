@@ -33,11 +33,25 @@ def main():
     cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0)
     watch = SinkWatchTrainerCallback(  # (2) the callback, with probes fitted to the data
-        every_n_steps=max(1, args.steps // 20), out_dir=args.out, wandb=args.wandb,
-        probes=[InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range), RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range)],
+        every_n_steps=max(1, args.steps // 20),
+        out_dir=args.out,
+        wandb=args.wandb,
+        probes=[
+            InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
+            RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
+        ],
     )
-    targs = TrainingArguments(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
-                              warmup_steps=min(100, args.steps // 10), logging_steps=50, save_strategy="no", report_to=[], disable_tqdm=False)
+    targs = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        warmup_steps=min(100, args.steps // 10),
+        logging_steps=50,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=False,
+    )
     train = Windows(corpus, args.steps * args.batch_size, seq_len=args.seq_len, periodic=0.5 if args.text is None else 0.0)
     Trainer(model=GPTNeoXForCausalLM(cfg), args=targs, train_dataset=train, callbacks=[watch]).train()  # (3) attach it
     print(f"records: {args.out}/records.jsonl; report: sinkwatch report {args.out}")  # (4) read the results

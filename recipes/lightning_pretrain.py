@@ -44,10 +44,16 @@ def main():
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0)
     model = LlamaForCausalLM(cfg)
-    data = torch.utils.data.DataLoader(DemoWindows(corpus, args.steps * args.batch_size, seq_len=args.seq_len, periodic=0.5 if args.text is None else 0.0), batch_size=args.batch_size)
+    data = torch.utils.data.DataLoader(
+        DemoWindows(corpus, args.steps * args.batch_size, seq_len=args.seq_len, periodic=0.5 if args.text is None else 0.0),
+        batch_size=args.batch_size,
+    )
 
     # (2) probes fitted to the data: byte-level text lives in printable ASCII; tokenizer vocabularies use the paper's range
-    probes = [InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range), RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range)]
+    probes = [
+        InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
+        RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
+    ]
     watch = SinkWatchCallback(every_n_steps=max(1, args.steps // 20), out_dir=args.out, probes=probes, wandb=args.wandb)  # (3) the callback
 
     trainer = pl.Trainer(accelerator="gpu" if args.device.startswith("cuda") else "cpu", devices=1, max_steps=args.steps,

@@ -20,10 +20,22 @@ def _probe_kinds(text: str) -> list[str]:
 
 def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
     """Probe options shared by ``probe`` and ``replay``."""
-    p.add_argument("--probe", type=_probe_kinds, default=["induction"], help="probe kinds, comma-separated: induction, repeated, natural (default induction)")
+    p.add_argument(
+        "--probe",
+        type=_probe_kinds,
+        default=["induction"],
+        help="probe kinds, comma-separated: induction, repeated, natural (default induction)",
+    )
     p.add_argument("--n", type=int, default=default_n, help="sequences per probe (default: induction 500, repeated 64, natural 100)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: induction 256, repeated 128 = 2L, natural 64)")
-    p.add_argument("--vocab-range", type=int, nargs=2, metavar=("LO", "HI"), default=None, help="token-id range [LO, HI) of the induction/repeated probes (default [100, 10000) fitted to the vocabulary)")
+    p.add_argument(
+        "--vocab-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="token-id range [LO, HI) of the induction/repeated probes (default [100, 10000) fitted to the vocabulary)",
+    )
     p.add_argument("--text", type=str, default=None, help="UTF-8 text file for the natural probe (tokenized with the model's tokenizer)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -99,7 +111,10 @@ def cmd_replay(args) -> int:
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
-    print(f"replayed {ok} revision(s) into {out}" + (f"; {len(failed)} failed (recorded; rerun to retry): " + ", ".join(r["revision"] for r in failed) if failed else ""))
+    print(
+        f"replayed {ok} revision(s) into {out}"
+        + (f"; {len(failed)} failed (recorded; rerun to retry): " + ", ".join(r["revision"] for r in failed) if failed else "")
+    )
     print(f"next: sinkwatch report {out}")
     return 0 if not failed else 1
 
@@ -107,7 +122,10 @@ def cmd_replay(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    print(f"sinkwatch demo: pretraining a byte-level Llama (3 blocks, d=128) on the Python standard library's source for {args.steps} steps on {args.device}; probing every {args.every} steps")
+    print(
+        "sinkwatch demo: pretraining a byte-level Llama (3 blocks, d=128) on the Python standard library's source "
+        f"for {args.steps} steps on {args.device}; probing every {args.every} steps"
+    )
     res = run_demo(steps=args.steps, out=args.out, seed=args.seed, wandb=args.wandb, device=args.device, every=args.every)
     print(f"\ndone in {res['seconds']:.0f} s: P0 stage {res['p0_stage']}, induction {res['induction_state']}")
     for e in res["events"]:
@@ -146,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shard", default=None, help="K/N: take every N-th revision starting at K (default: RANK/WORLD_SIZE under torchrun)")
     r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
-    r.add_argument("--wandb", choices=("offline", "online", "disabled"), default="offline", help="log the replay to W&B on a tokens axis (default offline)")
+    r.add_argument(
+        "--wandb",
+        choices=("offline", "online", "disabled"),
+        default="offline",
+        help="log the replay to W&B on a tokens axis (default offline)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 

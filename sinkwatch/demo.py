@@ -95,7 +95,18 @@ def build_model(seed: int = 0):
     return LlamaForCausalLM(cfg)
 
 
-def run_demo(*, steps: int = 2000, out: str = "sinkwatch-demo", seed: int = 0, wandb: str = "offline", device: str = "cpu", every: int = 100, batch_size: int = 16, lr: float = 2e-3, threads: int | None = None) -> dict:
+def run_demo(
+    *,
+    steps: int = 2000,
+    out: str = "sinkwatch-demo",
+    seed: int = 0,
+    wandb: str = "offline",
+    device: str = "cpu",
+    every: int = 100,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    threads: int | None = None,
+) -> dict:
     """Train, watch, report. Returns a summary (paths, time, stages, events)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import TQDMProgressBar
@@ -166,7 +177,9 @@ def run_demo(*, steps: int = 2000, out: str = "sinkwatch-demo", seed: int = 0, w
         callbacks=[watch, StageBar(refresh_rate=10)], enable_checkpointing=False, enable_model_summary=False,
         log_every_n_steps=10, default_root_dir=str(out_dir),
     )
-    data = torch.utils.data.DataLoader(DemoWindows(corpus, steps * batch_size + batch_size, seed=seed), batch_size=batch_size, shuffle=False)
+    data = torch.utils.data.DataLoader(
+        DemoWindows(corpus, steps * batch_size + batch_size, seed=seed), batch_size=batch_size, shuffle=False
+    )
     trainer.fit(DemoLM(), data)
     train_s = time.perf_counter() - t0
     if logger:

@@ -115,7 +115,14 @@ def largest_jump(traj: Trajectory) -> dict | None:
     if len(f) < 2:
         return None
     i = int(np.argmax(np.diff(f)))
-    return {"from": f[i], "to": f[i + 1], "from_tokens": traj.tokens[i], "to_tokens": traj.tokens[i + 1], "from_revision": traj.revisions[i], "to_revision": traj.revisions[i + 1]}
+    return {
+        "from": f[i],
+        "to": f[i + 1],
+        "from_tokens": traj.tokens[i],
+        "to_tokens": traj.tokens[i + 1],
+        "from_revision": traj.revisions[i],
+        "to_revision": traj.revisions[i + 1],
+    }
 
 
 def l0_l1_floor(traj: Trajectory) -> bool | None:
@@ -219,13 +226,33 @@ def compare(ours: dict, paper: dict) -> list[dict]:
     def add(name, a, b, match):
         rows.append({"finding": name, "ours": a, "paper": b, "match": match})
 
-    for key, label in (("sink_fraction_ge_10pct", "sink heads >= 10% (tokens)"), ("sink_fraction_ge_50pct", "sink heads >= 50% (tokens)"), ("induction_formed", ">= 3 induction heads at 50x (tokens)"), ("recall_67pct", "67% recall of final 50x set (tokens)")):
+    for key, label in (
+        ("sink_fraction_ge_10pct", "sink heads >= 10% (tokens)"),
+        ("sink_fraction_ge_50pct", "sink heads >= 50% (tokens)"),
+        ("induction_formed", ">= 3 induction heads at 50x (tokens)"),
+        ("recall_67pct", "67% recall of final 50x set (tokens)"),
+    ):
         add(label, ours.get(key), paper.get(key), _tokens_match(ours.get(key), paper.get(key)))
     a, b = ours.get("induction_to_sink_gap"), paper.get("induction_to_sink_gap")
     add("sink 50% / induction formed (token gap)", a, b, None if a is None or b is None else abs(math.log(a / b)) < math.log(1.5))
-    add("final sink-head fraction", ours.get("final_sink_fraction"), paper.get("final_sink_fraction"), abs(ours["final_sink_fraction"] - paper["final_sink_fraction"]) <= 0.05)
-    add("no sink heads in L0/L1 (final)", ours.get("l0_l1_floor"), paper.get("l0_l1_floor"), ours.get("l0_l1_floor") == paper.get("l0_l1_floor"))
+    add(
+        "final sink-head fraction",
+        ours.get("final_sink_fraction"),
+        paper.get("final_sink_fraction"),
+        abs(ours["final_sink_fraction"] - paper["final_sink_fraction"]) <= 0.05,
+    )
+    add(
+        "no sink heads in L0/L1 (final)",
+        ours.get("l0_l1_floor"),
+        paper.get("l0_l1_floor"),
+        ours.get("l0_l1_floor") == paper.get("l0_l1_floor"),
+    )
     ja, jb = ours.get("largest_jump"), paper.get("largest_jump")
     same = None if ja is None or jb is None else (ja["from_revision"] == jb["from_revision"] and ja["to_revision"] == jb["to_revision"])
-    add("largest sink jump (between revisions)", ja and f"{ja['from']:.1%} -> {ja['to']:.1%} ({ja['from_revision']} -> {ja['to_revision']})", jb and f"{jb['from']:.1%} -> {jb['to']:.1%} ({jb['from_revision']} -> {jb['to_revision']})", same)
+    add(
+        "largest sink jump (between revisions)",
+        ja and f"{ja['from']:.1%} -> {ja['to']:.1%} ({ja['from_revision']} -> {ja['to_revision']})",
+        jb and f"{jb['from']:.1%} -> {jb['to']:.1%} ({jb['from_revision']} -> {jb['to_revision']})",
+        same,
+    )
     return rows

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - the standalone pytorch_lightning packa
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
-from .live import LiveConfig, LiveMonitor, is_fsdp
+from .live import LiveConfig, LiveMonitor
 
 
 def _wandb_run(trainer):
@@ -35,18 +35,36 @@ def _wandb_run(trainer):
 class SinkWatchCallback(Callback):
     """Watch attention sinks and induction heads form during ``Trainer.fit``.
 
-    Every keyword is a ``sinkwatch.live.LiveConfig`` field (``every_n_steps``, ``log_spaced``,
-    ``out_dir``, ``tokens_per_step``, ``probes``, ``wandb``, ``stages``, ``raise_on_error``...).
+    Args:
+        config: a ``sinkwatch.live.LiveConfig`` (default: all defaults); keyword options override its fields.
+        every_n_steps: probe after every N-th optimizer step (default 250; None: only log-spaced/start/end).
+        log_spaced: also ~N log-spaced steps in [1, max_steps] (default None).
+        probe_at_start: probe the initial model at step 0 (default True).
+        probe_at_end: probe the last step if not already probed (default True).
+        out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
+        tokens_per_step: tokens per optimizer step (default None: counted from the training batches).
+        probes: probe recipes or ``ProbeSet``s (default None: induction 100 x 256, repeated 32 x 128 and
+            natural windows, fitted to the model).
+        natural: with the default probes, freeze natural windows from the first training batch (default True).
+        natural_n: natural windows (default 32).
+        natural_seq_len: tokens per natural window (default 64).
+        monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
+        stages: shortcut for ``monitor=MonitorConfig(stages=StageConfig(...))``.
+        wandb: "auto" (the trainer's run, else one started offline or as WANDB_MODE says), "online",
+            "offline" or "disabled" (default "auto").
+        wandb_project: project of a run sinkwatch starts (default "sinkwatch").
+        wandb_init: extra ``wandb.init`` keywords when sinkwatch starts the run (default None).
+        heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
+        console: one line per probe and per event (default True).
+        raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
+        on_event: your hook, called with each event dict (default None).
+        reporters: extra ``sinkwatch.reporting.Reporter`` instances (default ()).
     """
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, config: LiveConfig | None = None, **overrides: Any):
         super().__init__()
-        self.config = LiveConfig.from_kwargs(kwargs)
+        self.config = LiveConfig.with_overrides(config, overrides)
         self.live = LiveMonitor(self.config)
-
-    @property
-    def state_key(self) -> str:
-        return "SinkWatchCallback"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # not in ``setup``: that hook runs before ``configure_model`` shards the model (FSDP2) and
@@ -54,7 +72,7 @@ class SinkWatchCallback(Callback):
         self.live.setup(
             pl_module,
             is_global_zero=trainer.is_global_zero,
-            probes_here=trainer.is_global_zero or is_fsdp(trainer.strategy.model or pl_module),
+            wrapped=trainer.strategy.model or pl_module,
             max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
             world_size=trainer.world_size,
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -20,15 +19,16 @@ import numpy as np
 import torch
 
 from .capture import ProbeTarget, preserved_rng, resolve_target
+from .distributed import RankFacts, fsdp_full_params, rank_facts
 from .monitor import Monitor, MonitorConfig
 from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
 from .reporting.console import ConsoleReporter
 from .reporting.jsonl import JSONLReporter
+from .reporting.wandb_run import WANDB_MODES
 from .stages import StageConfig
 
 STATE_VERSION = 1
-WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +91,19 @@ class LiveConfig:
             kwargs["monitor"] = MonitorConfig(**{**{f.name: getattr(base, f.name) for f in fields(base)}, "stages": stages})
         return cls(**kwargs)
 
+    @classmethod
+    def with_overrides(cls, config: LiveConfig | None, overrides: dict) -> LiveConfig:
+        """What a callback's ``(config, **overrides)`` means: ``config`` (default: all defaults)
+        with the keyword options replacing its fields (``stages=`` as in ``from_kwargs``)."""
+        if config is None:
+            return cls.from_kwargs(overrides)
+        if not isinstance(config, LiveConfig):
+            raise TypeError(f"config must be a sinkwatch.live.LiveConfig (or None), got {type(config).__name__}")
+        if not overrides:
+            return config
+        return cls.from_kwargs({**{f.name: getattr(config, f.name) for f in fields(cls)}, **overrides})
+
+
 
 def log_spaced_steps(count: int, max_steps: int) -> set[int]:
     """~count distinct integer steps spaced evenly in log between 1 and max_steps (inclusive)."""
@@ -146,24 +159,35 @@ class LiveMonitor:
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
+        self.rank: RankFacts | None = None
 
     # ---- setup -------------------------------------------------------------------------------
-    def setup(self, model, *, is_global_zero: bool, probes_here: bool, max_steps: int | None = None, world_size: int = 1, wandb_run=None) -> None:
+    def setup(
+        self,
+        model,
+        *,
+        is_global_zero: bool,
+        wrapped=None,
+        max_steps: int | None = None,
+        world_size: int = 1,
+        wandb_run=None,
+    ) -> None:
         """At fit start. Resolves the model (a clear error now, never mid-run), picks reporters on
-        the logging rank and a no-op elsewhere, and whether this rank probes (decided once).
+        the logging rank and a no-op elsewhere, and whether this rank probes (decided once, here,
+        by ``sinkwatch.distributed``: rank 0, or every rank when the parameters are sharded).
 
-        DDP: only global rank 0 probes, the bare module (the DDP wrapper would wait for the other
-        ranks and hang). FSDP: every rank probes together, inside ``summon_full_params`` on the
-        root wrapper so the inner model's forward sees whole parameters. FSDP2 (``fully_shard``):
-        every rank probes together; each sharded module all-gathers its parameters in its forward."""
+        ``model``: what is probed (the bare module under DDP, never the DDP wrapper, which would
+        hang). ``wrapped``: the model as the training strategy wraps it, where FSDP shards show
+        (Lightning's ``trainer.strategy.model``); None: ``model`` itself."""
         self.target = resolve_target(model)
         self._full_params = fsdp_full_params(model)
-        self.world_size = max(1, int(world_size))
+        self.rank = rank_facts(wrapped if wrapped is not None else model, is_global_zero=is_global_zero, world_size=world_size)
+        self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
-        if is_global_zero:
+        if self.rank.reports_here:
             self.reporter = self._make_reporters(wandb_run)
-        self._probe_step = self._probe if probes_here else _NoProbe()
+        self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
         self._ready = True
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -177,12 +201,16 @@ class LiveMonitor:
             reporters.append(ConsoleReporter())
         if cfg.wandb != "disabled":
             try:
-                from .reporting.wandb_run import WandbReporter
+                from .reporting.wandb_run import wandb_reporter
 
-                mode = "offline" if cfg.wandb == "auto" else cfg.wandb
-                if cfg.wandb == "auto" and os.environ.get("WANDB_MODE"):
-                    mode = "auto"  # honour the user's WANDB_MODE when we start the run
-                self.wandb_reporter = WandbReporter(wandb_run if cfg.wandb == "auto" else None, mode=mode, project=cfg.wandb_project, dir=cfg.out_dir, heatmap_every=cfg.heatmap_every, init_kwargs=cfg.wandb_init)
+                self.wandb_reporter = wandb_reporter(
+                    cfg.wandb,
+                    trainer_run=wandb_run,
+                    project=cfg.wandb_project,
+                    dir=cfg.out_dir,
+                    heatmap_every=cfg.heatmap_every,
+                    init_kwargs=cfg.wandb_init,
+                )
                 reporters.append(self.wandb_reporter)
             except ImportError:
                 self._warn("no-wandb", "sinkwatch: wandb is not installed (pip install wandb); logging to the local JSONL only")
@@ -272,14 +300,19 @@ class LiveMonitor:
             if self.config.raise_on_error:
                 raise
             msg = f"{type(exc).__name__}: {exc}"
-            self._warn(f"probe:{type(exc).__name__}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
+            self._warn(
+                f"probe:{type(exc).__name__}",
+                f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)",
+            )
             self.reporter.log_error(step, msg)
             return
         self.last_probed_step = step
         self.n_probes += 1
         record = snap.to_record()
         if _has_non_finite(snap.values):
-            self._warn("nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null")
+            self._warn(
+                "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
+            )
         self.reporter.log_record(record)
         for event in snap.events:
             ev = event.to_dict()
@@ -339,35 +372,9 @@ class LiveMonitor:
         if self.jsonl is not None:
             moved = self.jsonl.rewind(self.last_probed_step)
             if moved:
-                self._warn("rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl")
-
-
-def fsdp_full_params(module) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context a sharded model's probe forward runs in; every rank must run it (a collective).
-
-    FSDP (v1) wrappers: ``summon_full_params`` on the root gathers whole parameters first.
-    FSDP2 (``fully_shard``): each sharded module's forward pre-hook all-gathers its own parameters,
-    so the forward needs nothing around it. Neither: a no-op context."""
-    return _fsdp_kind(module)[1]
-
-
-def is_fsdp(module) -> bool:
-    """Whether ``module`` holds FSDP or FSDP2 shards (then every rank probes together)."""
-    return _fsdp_kind(module)[0] is not None
-
-
-def _fsdp_kind(module) -> tuple[str | None, Callable[[], contextlib.AbstractContextManager]]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None, contextlib.nullcontext
-    v1 = [m for m in module.modules() if isinstance(m, FSDP)]
-    if v1:
-        return "fsdp", lambda: FSDP.summon_full_params(v1[0], writeback=False, recurse=True)
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        return "fsdp2", contextlib.nullcontext
-    return None, contextlib.nullcontext
+                self._warn(
+                    "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
+                )
 
 
 def _has_non_finite(values: dict) -> bool:

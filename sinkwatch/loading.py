@@ -30,9 +30,28 @@ def hub_offline() -> bool:
 
 def _is_network_error(exc: BaseException) -> bool:
     names = {type(e).__name__ for e in _chain(exc)}
-    hints = ("ConnectionError", "ConnectError", "LocalEntryNotFoundError", "OfflineModeIsEnabled", "Timeout", "MaxRetryError", "NameResolutionError")
+    hints = (
+        "ConnectionError",
+        "ConnectError",
+        "LocalEntryNotFoundError",
+        "OfflineModeIsEnabled",
+        "Timeout",
+        "MaxRetryError",
+        "NameResolutionError",
+    )
     text = " ".join(str(e) for e in _chain(exc))
-    return bool(names & set(hints)) or any(h in text for h in ("couldn't connect", "Cannot reach", "offline mode", "Failed to resolve", "Name or service not known", "Max retries exceeded", "Network is unreachable"))
+    return bool(names & set(hints)) or any(
+        h in text
+        for h in (
+            "couldn't connect",
+            "Cannot reach",
+            "offline mode",
+            "Failed to resolve",
+            "Name or service not known",
+            "Max retries exceeded",
+            "Network is unreachable",
+        )
+    )
 
 
 def _chain(exc: BaseException):
@@ -43,7 +62,9 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def load_model(name_or_path: str, *, revision: str | None = None, dtype: str = "float32", device: str | None = None, cache_dir: str | None = None):
+def load_model(
+    name_or_path: str, *, revision: str | None = None, dtype: str = "float32", device: str | None = None, cache_dir: str | None = None
+):
     """``AutoModelForCausalLM.from_pretrained(name_or_path, revision=...)`` with sdpa attention, in eval mode.
 
     Raises ``HubUnreachableError`` with what to do when the hub cannot be reached, and

@@ -90,7 +90,9 @@ def selectivity_columns(seq_len: int, ab: np.ndarray, baseline: np.ndarray) -> t
     T = int(seq_len)
     n = len(ab)
     fixed = np.array([T - 2, T - 1, 0, *(T - o for o in LOCAL_OFFSETS)])
-    cols = np.concatenate([ab[:, None] + 1, ab[:, None], np.broadcast_to(fixed, (n, len(fixed))), np.broadcast_to(baseline, (n, len(baseline)))], axis=1)
+    cols = np.concatenate(
+        [ab[:, None] + 1, ab[:, None], np.broadcast_to(fixed, (n, len(fixed))), np.broadcast_to(baseline, (n, len(baseline)))], axis=1
+    )
     layout = {
         "induction": slice(0, 1),
         "duplicate": slice(1, 2),

@@ -98,8 +98,9 @@ class Monitor:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
         ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
-        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's StageTracker consumes the record (``p0_stage``,
-        ``induction_state``, declared events in ``snapshot.events``).
+        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's
+        StageTracker consumes the record (``p0_stage``, ``induction_state``, declared events in
+        ``snapshot.events``).
         """
         target = resolve_target(model)
         sets = self.probe_sets(target.vocab_size)

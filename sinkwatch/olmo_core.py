@@ -20,9 +20,9 @@ Scalars go through ``trainer.record_metric`` under ``sinkwatch/`` (OLMo-core's W
 callbacks log them with the trainer's step; the step-0 probe is logged at step 1, the first step
 OLMo-core logs). Stage events go to the W&B run of OLMo-core's ``WandBCallback`` when it is enabled
 (alerts and summary; its scalars already arrive through ``record_metric``) and to the webhook of
-its ``SlackNotifierCallback`` when one is configured. Every rank probes (identical records: DDP
-replicas hold whole weights, FSDP2/HSDP shards all-gather in the probe forward, which every rank
-must run together); only rank 0 reports.
+its ``SlackNotifierCallback`` when one is configured. Under FSDP2/HSDP every rank probes together
+(each block's shards all-gather in the probe forward, which every rank must run); otherwise rank 0
+probes alone; only rank 0 reports.
 """
 
 from __future__ import annotations
@@ -118,12 +118,7 @@ class SinkWatchCallback(Callback):
     enabled: bool = True
 
     def __init__(self, config: LiveConfig | None = None, *, slack: bool = True, enabled: bool = True, **overrides: Any):
-        if config is not None and not isinstance(config, LiveConfig):
-            raise TypeError(f"config must be a sinkwatch.LiveConfig, got {type(config).__name__}")
-        if config is None:
-            config = LiveConfig.from_kwargs(overrides)
-        elif overrides:
-            config = LiveConfig.from_kwargs({**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **overrides})
+        config = LiveConfig.with_overrides(config, overrides)
         self.config = config
         self.slack = bool(slack)
         self.enabled = bool(enabled)
@@ -138,14 +133,8 @@ class SinkWatchCallback(Callback):
         trainer = self.trainer
         rank0 = get_rank() == 0
         self.live = LiveMonitor(self._run_config(trainer) if rank0 else self.config)
-        self.live.setup(
-            trainer.train_module.model,
-            is_global_zero=rank0,
-            probes_here=True,  # every rank: records stay identical and so do the metrics every rank records
-            max_steps=trainer.max_steps,
-            world_size=get_world_size(),
-            wandb_run=None,
-        )
+        # FSDP2/HSDP shards show on the model itself: setup then has every rank probe together
+        self.live.setup(trainer.train_module.model, is_global_zero=rank0, max_steps=trainer.max_steps, world_size=get_world_size())
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.live.load_state_dict(state)

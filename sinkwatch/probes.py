@@ -229,7 +229,9 @@ def baseline_positions(seq_len: int, count: int = 50, seed: int = 0) -> np.ndarr
     return np.array(chosen, dtype=np.int64)
 
 
-def make_repeated_random_probe(n: int = 64, half_len: int = 64, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1) -> ProbeSet:
+def make_repeated_random_probe(
+    n: int = 64, half_len: int = 64, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1
+) -> ProbeSet:
     """Random tokens R (n, L) followed by R again: ``RandomState(seed).randint(lo, hi, size=(n, L))``."""
     lo, hi = (int(x) for x in vocab_range)
     L = int(half_len)
@@ -241,7 +243,9 @@ def make_repeated_random_probe(n: int = 64, half_len: int = 64, *, vocab_range: 
     return ProbeSet("repeated", torch.from_numpy(tokens), {}, params)
 
 
-def make_natural_probe(tokens: torch.Tensor | np.ndarray | Sequence[int], n: int = 100, seq_len: int = 64, *, bos_token_id: int | None = None, source: str = "") -> ProbeSet:
+def make_natural_probe(
+    tokens: torch.Tensor | np.ndarray | Sequence[int], n: int = 100, seq_len: int = 64, *, bos_token_id: int | None = None, source: str = ""
+) -> ProbeSet:
     """``n`` windows of ``seq_len`` tokens from the user's own data.
 
     ``tokens`` is a 1-D token stream (cut into consecutive, non-overlapping windows) or a 2-D
@@ -256,7 +260,9 @@ def make_natural_probe(tokens: torch.Tensor | np.ndarray | Sequence[int], n: int
     if data.dim() == 1:
         have = data.numel() // body
         if have < n:
-            raise ValueError(f"text gives {data.numel()} tokens = {have} windows of {body}; need {n} (use less --n or --seq-len, or more text)")
+            raise ValueError(
+                f"text gives {data.numel()} tokens = {have} windows of {body}; need {n} (use less --n or --seq-len, or more text)"
+            )
         windows = data[: n * body].view(n, body)
     elif data.dim() == 2:
         if data.shape[0] < n or data.shape[1] < body:
@@ -324,7 +330,9 @@ class RepeatedRandomProbe:
             raise ValueError(f"repeated-random seq_len is 2L and must be an even int >= 4, got {self.seq_len!r}")
 
     def build(self, vocab_size: int) -> ProbeSet:
-        return make_repeated_random_probe(self.n, self.seq_len // 2, vocab_range=resolve_vocab_range(vocab_size, self.vocab_range), seed=self.seed)
+        return make_repeated_random_probe(
+            self.n, self.seq_len // 2, vocab_range=resolve_vocab_range(vocab_size, self.vocab_range), seed=self.seed
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -371,9 +371,9 @@ def _replay_wandb(mode: str, out_dir, recipe: Recipe):
     if mode == "disabled":
         return None
     try:
-        from .reporting.wandb_run import WandbReporter
+        from .reporting.wandb_run import wandb_reporter
 
-        return WandbReporter(None, mode=mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": recipe.name or recipe.model})
+        return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": recipe.name or recipe.model})
     except ImportError:
         warnings.warn("sinkwatch replay: wandb is not installed; records are in the store only", RuntimeWarning, stacklevel=2)
         return None

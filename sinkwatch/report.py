@@ -78,7 +78,14 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
         if "sink_heads_per_layer" not in recs[-1]:
             continue
         total = recs[-1]["n_layers"] * recs[-1]["n_heads"]
-        _plot(a1, s.x(), [sum(r["sink_heads_per_layer"]) / total if "sink_heads_per_layer" in r else None for r in recs], color=c, marker="o", label=s.label)
+        _plot(
+            a1,
+            s.x(),
+            [sum(r["sink_heads_per_layer"]) / total if "sink_heads_per_layer" in r else None for r in recs],
+            color=c,
+            marker="o",
+            label=s.label,
+        )
         _plot(a2, s.x(), s.column("n_induction_ge50"), color=c, marker="o", label=f"{s.label} >= 50x")
         _plot(a2, s.x(), s.column("n_induction_ge30"), color=c, marker="^", alpha=0.5, label=f"{s.label} >= 30x")
         if s.reference_key:
@@ -110,10 +117,24 @@ def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
     width = 0.8 / (len(rows) * 2)
     for i, (s, per) in enumerate(rows):
         L = len(per)
-        ax.bar(np.arange(L) + (2 * i) * width, per, width, color=f"C{i}", label=f"{s.label} @ {s.records[-1].get('revision') or s.records[-1].get('step')}")
+        ax.bar(
+            np.arange(L) + (2 * i) * width,
+            per,
+            width,
+            color=f"C{i}",
+            label=f"{s.label} @ {s.records[-1].get('revision') or s.records[-1].get('step')}",
+        )
         if s.reference_key:
             ref_per = reference["models"][s.reference_key]["final_sink_heads_per_layer"]
-            ax.bar(np.arange(len(ref_per)) + (2 * i + 1) * width, ref_per, width, color=f"C{i}", alpha=0.4, hatch="//", label=f"{s.reference_key} (paper)")
+            ax.bar(
+                np.arange(len(ref_per)) + (2 * i + 1) * width,
+                ref_per,
+                width,
+                color=f"C{i}",
+                alpha=0.4,
+                hatch="//",
+                label=f"{s.reference_key} (paper)",
+            )
     ax.set_xlabel("layer")
     ax.set_ylabel("sink heads at the final revision")
     _legend(ax)
@@ -173,7 +194,10 @@ def figure_prefix(stores, out: Path) -> str | None:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, s in enumerate(stores):
-        best = [max((v for row in r["induction_score"] for v in row if v is not None), default=None) if r.get("induction_score") else None for r in s.records]
+        best = [
+            max((v for row in r["induction_score"] for v in row if v is not None), default=None) if r.get("induction_score") else None
+            for r in s.records
+        ]
         _plot(a1, s.x(), best, color=f"C{i}", marker="o", label=s.label)
         _plot(a2, s.x(), s.column("icl_score"), color=f"C{i}", marker="o", label=s.label)
     a1.set_ylabel("best prefix-matching (induction) score")
@@ -230,7 +254,8 @@ def _trajectory_table(s: Store) -> list[str]:
         best = max((v for row in r["induction_score"] for v in row if v is not None), default=None) if r.get("induction_score") else None
         lines.append(
             f"| {r.get('revision') or r.get('step')} | {_tokens(r.get('tokens'))} | {_fmt(r.get('sink_rate'))} | "
-            f"{sum(r['sink_heads_per_layer']) if 'sink_heads_per_layer' in r else '—'} | {_fmt(r.get('n_induction_ge30'))} | {_fmt(r.get('n_induction_ge50'))} | "
+            f"{sum(r['sink_heads_per_layer']) if 'sink_heads_per_layer' in r else '—'} | "
+            f"{_fmt(r.get('n_induction_ge30'))} | {_fmt(r.get('n_induction_ge50'))} | "
             f"{_fmt(best)} | {_fmt(r.get('icl_score'))} | {r.get('p0_stage')} | {r.get('induction_state')} |"
         )
     return lines
@@ -249,15 +274,36 @@ def _findings_section(s: Store, reference: dict) -> list[str]:
             flag = {True: "match", False: "**MISMATCH**", None: "n/a"}[row["match"]]
             lines.append(f"| {row['finding']} | {_fmt(row['ours'])} | {_fmt(row['paper'])} | {flag} |")
         lines.append("")
-        lines.append(f"Our induction milestone uses rule `{ours['induction_rule']}`; the paper's figure is its published milestone (the release carries only >= 30x counts per revision).")
+        lines.append(
+            f"Our induction milestone uses rule `{ours['induction_rule']}`; the paper's figure is its published milestone "
+            "(the release carries only >= 30x counts per revision)."
+        )
     else:
         lines += ["| finding | value |", "|---|---|"]
-        for key in ("sink_fraction_ge_10pct", "sink_fraction_ge_50pct", "induction_formed", "induction_to_sink_gap", "final_sink_fraction", "l0_l1_floor", "recall_67pct"):
+        for key in (
+            "sink_fraction_ge_10pct",
+            "sink_fraction_ge_50pct",
+            "induction_formed",
+            "induction_to_sink_gap",
+            "final_sink_fraction",
+            "l0_l1_floor",
+            "recall_67pct",
+        ):
             lines.append(f"| {key} | {_fmt(ours.get(key))} |")
     if ours["recall"] and any(r is not None for r in ours["recall"]):
-        lines += ["", "Recall of the final >= 50x induction set per revision: " + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(F.trajectory_from_records(s.records).revisions, ours["recall"]))]
+        lines += [
+            "",
+            "Recall of the final >= 50x induction set per revision: "
+            + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(F.trajectory_from_records(s.records).revisions, ours["recall"])),
+        ]
     if ours["pr_lead"]:
-        lines += ["", "PR rising before induction selectivity crosses 50x (per head of the final set):", "", "| head | PR >= 1.5x first | selectivity >= 50x | lead |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "PR rising before induction selectivity crosses 50x (per head of the final set):",
+            "",
+            "| head | PR >= 1.5x first | selectivity >= 50x | lead |",
+            "|---|---|---|---|",
+        ]
         for h in ours["pr_lead"]:
             lines.append(f"| {h['head']} | {_tokens(h['pr_jump_tokens'])} | {_tokens(h['selectivity_50x_tokens'])} | {_fmt(h['lead'])} |")
     return lines + [""]
@@ -285,7 +331,11 @@ def build_report(stores: Sequence[str | os.PathLike], out_dir: str | os.PathLike
     for s in loaded:
         md += [f"## {s.label}", ""] + _trajectory_table(s) + [""]
         if s.failed:
-            md += ["Failed revisions (recorded with their reason; rerun to retry):", ""] + [f"- `{rev}`: {err}" for rev, err in s.failed.items()] + [""]
+            md += (
+                ["Failed revisions (recorded with their reason; rerun to retry):", ""]
+                + [f"- `{rev}`: {err}" for rev, err in s.failed.items()]
+                + [""]
+            )
         if s.events:
             md += ["Stage events:", ""] + [f"- {e['message']} (evidence: {e.get('evidence')})" for e in s.events] + [""]
         md += _findings_section(s, reference)

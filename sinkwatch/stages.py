@@ -103,7 +103,13 @@ def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, di
     layer = record.get("circuit_layer")
     n_sink_positions = metrics.multi_sink_positions(profile, config.secondary_sink_floor)
     sinks = float(profile.max()) >= config.sink_rate_floor
-    evidence = {"sink_rate": record["sink_rate"], "max_sink_k": float(profile.max()), "sink_center": centre, "circuit_layer": layer, "sink_positions": n_sink_positions}
+    evidence = {
+        "sink_rate": record["sink_rate"],
+        "max_sink_k": float(profile.max()),
+        "sink_center": centre,
+        "circuit_layer": layer,
+        "sink_positions": n_sink_positions,
+    }
     if not sinks and layer is None:
         stage = "none"
     elif sinks and (centre != 0 or n_sink_positions >= 2):
@@ -145,7 +151,18 @@ def classify_induction(record: Mapping[str, Any], config: StageConfig, pr_initia
             state = "forming"
         else:
             state = "absent"
-        results.append((state, {"rule": "prefix", "heads_above_score": n_heads, "best_score": best, "icl_score": record.get("icl_score"), "min_heads": need}))
+        results.append(
+            (
+                state,
+                {
+                    "rule": "prefix",
+                    "heads_above_score": n_heads,
+                    "best_score": best,
+                    "icl_score": record.get("icl_score"),
+                    "min_heads": need,
+                },
+            )
+        )
     if not results:
         return "absent", {"rule": None, "reason": "no induction statistics"}
     return max(results, key=lambda r: INDUCTION_STATES.index(r[0]))

@@ -34,7 +34,9 @@ def eager_run(model, family: str, tokens: torch.Tensor) -> dict:
     resid, oproj = {}, {}
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(block.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, (o[0] if isinstance(o, tuple) else o).double())))
+        handles.append(
+            block.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, (o[0] if isinstance(o, tuple) else o).double()))
+        )
         proj = block.get_submodule(OUTPUT_PROJECTION[family])
         handles.append(proj.register_forward_pre_hook(lambda m, a, i=i: oproj.__setitem__(i, a[0].double())))
     try:

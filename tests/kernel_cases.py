@@ -32,7 +32,12 @@ def make_inputs(B, Hq, Hkv, S, D, *, dtype=torch.float32, layout="contiguous", s
 
 def assert_close_to_reference(got, ref, *, G: int):
     """Every output cell written, finite, and within the named tolerances of the float64 reference."""
-    for name, a, b, atol in (("lse", got.lse, ref.lse, LSE_ATOL), ("entropy", got.entropy, ref.entropy, ENTROPY_ATOL), ("first", got.first, ref.first, PROB_ATOL), ("gathered", got.gathered, ref.gathered, PROB_ATOL)):
+    for name, a, b, atol in (
+        ("lse", got.lse, ref.lse, LSE_ATOL),
+        ("entropy", got.entropy, ref.entropy, ENTROPY_ATOL),
+        ("first", got.first, ref.first, PROB_ATOL),
+        ("gathered", got.gathered, ref.gathered, PROB_ATOL),
+    ):
         assert a.dtype == torch.float32, name
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) cells"

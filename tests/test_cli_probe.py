@@ -23,7 +23,27 @@ def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsy
     text = tmp_path / "t.txt"
     text.write_text("In the beginning was the word, and the word was with code. " * 30)
     out = tmp_path / "rec.json"
-    rc = main(["probe", str(model_dir), "--probe", "induction,repeated,natural", "--n", "6", "--seq-len", "64", "--text", str(text), "--vocab-range", "100", "200", "--dtype", "float32", "--out", str(out)])
+    rc = main(
+        [
+            "probe",
+            str(model_dir),
+            "--probe",
+            "induction,repeated,natural",
+            "--n",
+            "6",
+            "--seq-len",
+            "64",
+            "--text",
+            str(text),
+            "--vocab-range",
+            "100",
+            "200",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "attention sinks" in printed and "induction heads" in printed and "prefix matching" in printed
@@ -52,6 +72,11 @@ def test_probe_errors_are_clear(model_dir, capsys):
 
 def test_console_entry_point(model_dir, tmp_path):
     out = tmp_path / "r.json"
-    res = subprocess.run([sys.executable, "-m", "sinkwatch", "probe", str(model_dir), "--n", "4", "--seq-len", "64", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "sinkwatch", "probe", str(model_dir), "--n", "4", "--seq-len", "64", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text())["probe"] == "induction"

@@ -41,7 +41,13 @@ def test_the_pretraining_recipes_run(tmp_path):
     root = Path(__file__).parent.parent
     for script in ("lightning_pretrain.py", "hf_trainer_pretrain.py"):
         out = tmp_path / script
-        res = subprocess.run([sys.executable, str(root / "recipes" / script), "--steps", "20", "--out", str(out), "--wandb", "disabled"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        res = subprocess.run(
+            [sys.executable, str(root / "recipes" / script), "--steps", "20", "--out", str(out), "--wandb", "disabled"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         steps = [r["step"] for r in read_jsonl(out / "records.jsonl")]
         assert steps[0] == 0 and steps[-1] == 20 and len(steps) >= 3, (script, steps)

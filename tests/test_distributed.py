@@ -34,7 +34,17 @@ def _free_port() -> int:
 LAUNCH = {
     "ddp": lambda out: [sys.executable, str(HERE / "ddp_lightning.py"), out],  # Lightning spawns rank 1
     "fsdp2": lambda out: [sys.executable, str(HERE / "fsdp2_lightning.py"), out],
-    "ddp_hf": lambda out: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), str(HERE / "ddp_hf.py"), out],
+    "ddp_hf": lambda out: [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(HERE / "ddp_hf.py"),
+        out,
+    ],
 }
 
 
@@ -59,7 +69,9 @@ def test_ddp_records_equal_a_single_process_probe(ddp_run):
     for key in ("sink_alpha", "pr", "induction_score", "p0_norm_ratio", "sink_profile"):
         np.testing.assert_allclose(np.array(last[key], dtype=float), np.array(single[key], dtype=float), rtol=1e-5, atol=1e-7, err_msg=key)
     for cls in single["selectivity"]:
-        np.testing.assert_allclose(np.array(last["selectivity"][cls], dtype=float), np.array(single["selectivity"][cls], dtype=float), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.array(last["selectivity"][cls], dtype=float), np.array(single["selectivity"][cls], dtype=float), rtol=1e-5, atol=1e-6
+        )
     assert last["probe_hash"] == single["probe_hash"]
 
 

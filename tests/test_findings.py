@@ -53,11 +53,21 @@ def test_findings_from_records_match_the_reference_loader():
         per_layer = [0] * 16
         for i in range(r["sink_heads"]):
             per_layer[2 + i % 14] += 1  # spread over layers 2..15
-        records.append({
-            "model": OLMO, "revision": r["revision"], "tokens": int(r["tokens_b"] * 1e9), "n_layers": 16, "n_heads": 16,
-            "sink_heads_per_layer": per_layer, "n_induction_ge30": r["ind_ge30"], "n_induction_ge50": r["ind_ge30"],
-            "induction_heads": [f"L2H{i}" for i in range(r["ind_ge30"])], "selectivity": {"induction": np.zeros((16, 16)).tolist()}, "pr": None,
-        })
+        records.append(
+            {
+                "model": OLMO,
+                "revision": r["revision"],
+                "tokens": int(r["tokens_b"] * 1e9),
+                "n_layers": 16,
+                "n_heads": 16,
+                "sink_heads_per_layer": per_layer,
+                "n_induction_ge30": r["ind_ge30"],
+                "n_induction_ge50": r["ind_ge30"],
+                "induction_heads": [f"L2H{i}" for i in range(r["ind_ge30"])],
+                "selectivity": {"induction": np.zeros((16, 16)).tolist()},
+                "pr": None,
+            }
+        )
     mine = F.findings(F.trajectory_from_records(records))
     paper = F.findings(F.trajectory_from_reference(OLMO))
     for key in ("sink_fraction_ge_10pct", "sink_fraction_ge_50pct", "induction_formed", "final_sink_fraction"):

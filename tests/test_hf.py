@@ -27,7 +27,9 @@ def args(tmp_path, **kw):
 
 def test_train_reuses_the_wandb_callback_run(tmp_path):
     cb = SinkWatchTrainerCallback(every_n_steps=10, out_dir=str(tmp_path / "sw"), console=False)
-    t = Trainer(model=build("gpt_neox"), args=args(tmp_path, report_to=["wandb"], run_name="hf-test"), train_dataset=CopyDataset(), callbacks=[cb])
+    t = Trainer(
+        model=build("gpt_neox"), args=args(tmp_path, report_to=["wandb"], run_name="hf-test"), train_dataset=CopyDataset(), callbacks=[cb]
+    )
     import os
 
     os.environ["WANDB_DIR"] = str(tmp_path)
@@ -47,7 +49,9 @@ def test_train_reuses_the_wandb_callback_run(tmp_path):
 
 
 def test_a_transition_gives_exactly_one_alert(tmp_path):
-    cb = SinkWatchTrainerCallback(every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False)
+    cb = SinkWatchTrainerCallback(
+        every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False
+    )
     data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (128, 32))]
     Trainer(model=planted.p0_final(), args=args(tmp_path, learning_rate=0.0, max_steps=15), train_dataset=data, callbacks=[cb]).train()
     events = read_jsonl(tmp_path / "sw" / "events.jsonl")
@@ -57,7 +61,11 @@ def test_a_transition_gives_exactly_one_alert(tmp_path):
 
 def losses_and_params(tmp_path, with_cb):
     model = build("llama", seed=3)
-    cbs = [SinkWatchTrainerCallback(every_n_steps=4, out_dir=str(tmp_path / "sw"), probes=SMALL, wandb="offline", console=False)] if with_cb else []
+    cbs = (
+        [SinkWatchTrainerCallback(every_n_steps=4, out_dir=str(tmp_path / "sw"), probes=SMALL, wandb="offline", console=False)]
+        if with_cb
+        else []
+    )
     t = Trainer(model=model, args=args(tmp_path, max_steps=12), train_dataset=CopyDataset(), callbacks=cbs)
     t.train()
     losses = [h["loss"] for h in t.state.log_history if "loss" in h]
@@ -75,7 +83,12 @@ def test_the_monitor_is_invisible_to_training(tmp_path):
 
 def test_gradient_accumulation_one_probe_per_optimizer_step(tmp_path):
     cb = SinkWatchTrainerCallback(every_n_steps=2, out_dir=str(tmp_path / "sw"), probes=SMALL, wandb="disabled", console=False)
-    Trainer(model=build("qwen3"), args=args(tmp_path, max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=4), train_dataset=CopyDataset(), callbacks=[cb]).train()
+    Trainer(
+        model=build("qwen3"),
+        args=args(tmp_path, max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=4),
+        train_dataset=CopyDataset(),
+        callbacks=[cb],
+    ).train()
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
     assert [r["step"] for r in records] == [0, 2, 4, 6]
     assert records[1]["tokens"] == 2 * 2 * 4 * 64
@@ -86,7 +99,14 @@ def test_resume_from_checkpoint(tmp_path, restore_flag):
     out = tmp_path / "sw"
     data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (512, 32))]
     kw = dict(out_dir=str(out), every_n_steps=5, probes=[InductionProbe(n=8, seq_len=64)], wandb="disabled", console=False)
-    a = args(tmp_path, learning_rate=0.0, max_steps=20, save_strategy="steps", save_steps=10, restore_callback_states_from_checkpoint=restore_flag)
+    a = args(
+        tmp_path,
+        learning_rate=0.0,
+        max_steps=20,
+        save_strategy="steps",
+        save_steps=10,
+        restore_callback_states_from_checkpoint=restore_flag,
+    )
     Trainer(model=planted.p0_final(), args=a, train_dataset=data, callbacks=[SinkWatchTrainerCallback(**kw)]).train()
     assert [r["step"] for r in read_jsonl(out / "records.jsonl")] == [0, 5, 10, 15, 20]
     state = json.loads((tmp_path / "out" / "checkpoint-10" / "trainer_state.json").read_text())

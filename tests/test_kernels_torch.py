@@ -23,7 +23,17 @@ def problems(draw):
     D = draw(st.sampled_from([4, 8, 16]))
     dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
     layout = draw(st.sampled_from(["contiguous", "bshd", "sliced"]))
-    q, k = make_inputs(B, Hkv * groups, Hkv, S, D, dtype=dtype, layout=layout, seed=draw(st.integers(0, 2**16)), scale=draw(st.sampled_from([0.5, 1.0, 3.0])))
+    q, k = make_inputs(
+        B,
+        Hkv * groups,
+        Hkv,
+        S,
+        D,
+        dtype=dtype,
+        layout=layout,
+        seed=draw(st.integers(0, 2**16)),
+        scale=draw(st.sampled_from([0.5, 1.0, 3.0])),
+    )
     rows = None
     if draw(st.booleans()):
         Q = draw(st.integers(1, 6))
@@ -33,7 +43,11 @@ def problems(draw):
     if draw(st.booleans()):
         G = draw(st.integers(1, 5))
         # -1 (none), any key position (including ones after the query)
-        cols = torch.tensor(draw(st.lists(st.lists(st.lists(st.integers(-1, S - 1), min_size=G, max_size=G), min_size=Q, max_size=Q), min_size=B, max_size=B)))
+        cols = torch.tensor(
+            draw(
+                st.lists(st.lists(st.lists(st.integers(-1, S - 1), min_size=G, max_size=G), min_size=Q, max_size=Q), min_size=B, max_size=B)
+            )
+        )
     n_first = draw(st.integers(0, S + 3))  # n_first > S included
     window = draw(st.one_of(st.none(), st.integers(1, S + 2)))
     softcap = draw(st.one_of(st.none(), st.sampled_from([2.0, 30.0])))

@@ -66,7 +66,9 @@ def test_triton_matches_reference_and_torch(S, D, groups, variant, dtype, layout
     q, k = make_inputs(B, Hkv * groups, Hkv, S, D, dtype=dtype, layout=layout, seed=S * D + groups, device=DEVICE)
     kw = variant_kwargs(variant, B, S, seed=S + D)
     tri = attention_stats(q, k, D**-0.5, backend="triton", **kw)  # outputs pre-filled with NaN
-    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()})
+    ref = attention_stats(
+        q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()}
+    )
     assert_close_to_reference(tri, ref, G=0)
     tor = attention_stats(q, k, D**-0.5, backend="torch", **kw)
     for a, b in zip(tri, tor):
@@ -81,7 +83,9 @@ def test_head_dims_that_are_not_powers_of_two(D, dtype):
     q, k = make_inputs(1, 2, 1, 37, D, dtype=dtype, layout="sliced", seed=D, device=DEVICE)
     kw = variant_kwargs("rows_cols", 1, 37, seed=D)
     tri = attention_stats(q, k, D**-0.5, backend="triton", **kw)
-    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()})
+    ref = attention_stats(
+        q.cpu(), k.cpu(), D**-0.5, backend="reference", **{k_: (v.cpu() if torch.is_tensor(v) else v) for k_, v in kw.items()}
+    )
     assert_close_to_reference(tri, ref, G=4)
 
 
@@ -120,7 +124,9 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("S, D, Hq, Hkv", [(1024, 128, 16, 16), (2048, 64, 12, 12), (2048, 256, 8, 8), (4096, 128, 32, 8), (1000, 128, 8, 2)])
+@pytest.mark.parametrize(
+    "S, D, Hq, Hkv", [(1024, 128, 16, 16), (2048, 64, 12, 12), (2048, 256, 8, 8), (4096, 128, 32, 8), (1000, 128, 8, 2)]
+)
 def test_gpu_realistic_shapes_bf16(S, D, Hq, Hkv):
     q, k = make_inputs(2, Hq, Hkv, S, D, dtype=torch.bfloat16, layout="bshd", seed=1, device="cuda")
     rows = torch.stack([torch.arange(S - 8, S), torch.arange(0, 8)]).cuda()

@@ -26,12 +26,32 @@ def test_fit_records_keys_and_wandb_offline(tmp_path):
     assert [r["step"] for r in records] == [0, 10, 20]
     assert [r["tokens"] for r in records] == [0, 10 * 8 * 64, 20 * 8 * 64]
     assert records[0]["probe"] == "natural+induction+repeated"  # default probes, natural frozen from batch 0
-    for key in ("sink_rate", "sink_profile", "selectivity", "pr", "induction_score", "icl_score", "p0_stage", "induction_state", "p0_stage_now"):
+    for key in (
+        "sink_rate",
+        "sink_profile",
+        "selectivity",
+        "pr",
+        "induction_score",
+        "icl_score",
+        "p0_stage",
+        "induction_state",
+        "p0_stage_now",
+    ):
         assert key in records[-1], key
     assert len({r["probe_hash"] for r in records}) == 1
     reporter = cb.live.wandb_reporter
     summary = reporter.final_summary
-    for key in ("sinkwatch/sink_rate", "sinkwatch/n_induction_ge50", "sinkwatch/icl_score", "sinkwatch/p0_stage", "sinkwatch/step", "sinkwatch/tokens", "sinkwatch/by_tokens/sink_rate", "sinkwatch/sink_profile/k0", "sinkwatch/p0_norm_ratio/L1"):
+    for key in (
+        "sinkwatch/sink_rate",
+        "sinkwatch/n_induction_ge50",
+        "sinkwatch/icl_score",
+        "sinkwatch/p0_stage",
+        "sinkwatch/step",
+        "sinkwatch/tokens",
+        "sinkwatch/by_tokens/sink_rate",
+        "sinkwatch/sink_profile/k0",
+        "sinkwatch/p0_norm_ratio/L1",
+    ):
         assert key in summary, key
     assert summary["sinkwatch/step"] == 20 and summary["sinkwatch/tokens"] == records[-1]["tokens"]
     assert summary["sinkwatch/sink_rate"] == pytest.approx(records[-1]["sink_rate"])
@@ -46,7 +66,9 @@ class PlantedLit(LitLM):
 
 def test_a_transition_gives_exactly_one_alert(tmp_path):
     lit = PlantedLit(planted.p0_final())
-    cb = SinkWatchCallback(every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False)
+    cb = SinkWatchCallback(
+        every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False
+    )
     from torch.utils.data import DataLoader
 
     data = DataLoader([{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (64, 32))], batch_size=4)
@@ -97,7 +119,9 @@ def test_resume_mid_run_continues_without_refiring(tmp_path):
 
     # resume from the step-10 checkpoint (steps 15 and 20 are rolled back) and train to 30
     cb2 = SinkWatchCallback(every_n_steps=5, out_dir=str(out), probes=[InductionProbe(n=8, seq_len=64)], wandb="disabled", console=False)
-    t2 = trainer(tmp_path, [cb2, ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=10)], max_steps=30, enable_checkpointing=True)
+    t2 = trainer(
+        tmp_path, [cb2, ModelCheckpoint(dirpath=tmp_path / "ckpt2", every_n_train_steps=10)], max_steps=30, enable_checkpointing=True
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t2.fit(PlantedLit(planted.p0_final()), data, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=10.ckpt"))
@@ -218,7 +242,11 @@ def test_compiled_model_is_not_recompiled_by_probing(tmp_path):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         lit = LitLM(torch.compile(build("llama"), backend="eager"))
-        cbs = [SinkWatchCallback(every_n_steps=2, out_dir=str(tmp_path / f"c{with_cb}"), probes=SMALL, wandb="disabled", console=False)] if with_cb else []
+        cbs = (
+            [SinkWatchCallback(every_n_steps=2, out_dir=str(tmp_path / f"c{with_cb}"), probes=SMALL, wandb="disabled", console=False)]
+            if with_cb
+            else []
+        )
         trainer(tmp_path, cbs, max_steps=6).fit(lit, loader())
         return sum(torch._dynamo.utils.counters["stats"].values()), dict(torch._dynamo.utils.counters["recompiles"])
 

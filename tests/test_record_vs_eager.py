@@ -67,7 +67,14 @@ def check_record(model, family, record, monitor):
     probe = sets["induction"]
     run = ind.eager_run(model, family, probe.tokens)
     toks = probe.tokens.numpy()
-    ab = np.array([int(np.flatnonzero(toks[n, :-1] == probe.fields["token_b"][n])[0]) - 1 if (toks[n, :-1] == probe.fields["token_b"][n]).sum() == 1 else probe.fields["ab"][n] for n in range(len(toks))])
+    ab = np.array(
+        [
+            int(np.flatnonzero(toks[n, :-1] == probe.fields["token_b"][n])[0]) - 1
+            if (toks[n, :-1] == probe.fields["token_b"][n]).sum() == 1
+            else probe.fields["ab"][n]
+            for n in range(len(toks))
+        ]
+    )
     sel = ind.selectivity_metrics(run["attn"], toks, ab, probe.fields["token_b"])
     for cls, expected in sel["selectivity"].items():
         close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)

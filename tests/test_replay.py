@@ -124,7 +124,29 @@ def test_shards_split_the_revisions_and_the_report_merges_them(cache, tmp_path):
 def test_cli_replay_and_report(cache, tmp_path):
     repo, cache_dir = cache
     out = tmp_path / "store"
-    rc = main(["replay", repo, "--revisions", "step0,step600,step1300", "--out", str(out), "--cache-dir", cache_dir, "--probe", "induction,repeated", "--n", "8", "--seq-len", "64", "--tokens-per-step", str(TOKENS_PER_STEP), "--no-progress", "--wandb", "offline"])
+    rc = main(
+        [
+            "replay",
+            repo,
+            "--revisions",
+            "step0,step600,step1300",
+            "--out",
+            str(out),
+            "--cache-dir",
+            cache_dir,
+            "--probe",
+            "induction,repeated",
+            "--n",
+            "8",
+            "--seq-len",
+            "64",
+            "--tokens-per-step",
+            str(TOKENS_PER_STEP),
+            "--no-progress",
+            "--wandb",
+            "offline",
+        ]
+    )
     assert rc == 0
     recs = read_jsonl(out / "records.jsonl")
     assert [r["revision"] for r in recs] == ["step0", "step600", "step1300"] and recs[1]["tokens"] == 600 * TOKENS_PER_STEP
@@ -134,7 +156,14 @@ def test_cli_replay_and_report(cache, tmp_path):
 
 def test_no_network_fails_fast_with_advice(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    res = subprocess.run([sys.executable, "-m", "sinkwatch", "replay", "recipes/pythia-1b.yaml", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    res = subprocess.run(
+        [sys.executable, "-m", "sinkwatch", "replay", "recipes/pythia-1b.yaml", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert res.returncode == 2
     assert "cannot reach the Hugging Face hub" in res.stderr and "HF_HUB_OFFLINE=1" in res.stderr
     assert not list(tmp_path.glob("records*.jsonl"))

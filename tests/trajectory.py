@@ -25,7 +25,9 @@ def periodic_batch(rng: np.random.RandomState, batch: int, seq_len: int) -> torc
     return torch.from_numpy(x)
 
 
-def train_with_probes(family: str = "llama", steps: int = 1300, every: int = 100, seed: int = 0, lr: float = 3e-3, save_dir=None, save_steps=()) -> list[dict]:
+def train_with_probes(
+    family: str = "llama", steps: int = 1300, every: int = 100, seed: int = 0, lr: float = 3e-3, save_dir=None, save_steps=()
+) -> list[dict]:
     """Records (SPEC §10, untracked) at steps 0, every, 2*every, ..., steps; with ``save_dir``,
     ``save_pretrained`` checkpoints at ``save_steps`` (save_dir/step{N})."""
     torch.manual_seed(seed)

@@ -23,7 +23,7 @@ class ProbeTarget:
 
     @property
     def device(self) -> torch.device:
-        """Where the probe's token ids go: the device of the model's parameters."""
+        """Where the target's parameters live: probe tokens are moved there."""
         return next(self.module.parameters()).device
 
     def blocks(self) -> nn.ModuleList:

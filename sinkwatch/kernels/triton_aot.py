@@ -188,11 +188,16 @@ def _main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # re-run with the compiler
-        return subprocess.call([sys.executable, "-m", "sinkwatch.kernels.triton_aot", *(argv if argv is not None else sys.argv[1:])], env=compiler_env())
+        return subprocess.call(
+            [sys.executable, "-m", "sinkwatch.kernels.triton_aot", *(argv if argv is not None else sys.argv[1:])], env=compiler_env()
+        )
     flags = {"all_rows": {}, "rows": {"rows": True}, "window_softcap": {"window": True, "softcap": True}}
     variants = [Variant(dtype=t, head_dim=d, **flags[f]) for t in args.dtypes for d in args.head_dims for f in args.variants]
     if not args.json:
-        print(f"{'arch':>4} {'dtype':>5} {'D':>4} {'variant':>14} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} {'smem KiB':>8} fits")
+        print(
+            f"{'arch':>4} {'dtype':>5} {'D':>4} {'variant':>14} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} "
+            f"{'regs':>5} {'spill B':>7} {'smem KiB':>8} fits"
+        )
     for r in survey(args.arch, variants, first_config_only=args.first_config):
         if args.json:
             print(json.dumps(r.as_row()), flush=True)

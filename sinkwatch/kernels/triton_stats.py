@@ -120,7 +120,9 @@ def _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_n, pos, sk_s, sk_d, n_keys,
     return s, valid
 
 
-@triton.autotune(configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(
+    configs=_configs(), key=["Q_LEN", "SEQ", "HEAD_DIM", "HAS_ROWS", "CAST_F32"], prune_configs_by={"early_config_prune": _prune}
+)
 @triton.jit
 def _attention_stats_kernel(
     q_ptr, k_ptr, rows_ptr, cols_ptr,
@@ -167,7 +169,29 @@ def _attention_stats_kernel(
         lo = tl.maximum(lo_pos, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        s, valid = _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_n, pos, sk_s, sk_d, SEQ, scaling, softcap, window, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, BLOCK_DK, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
+        s, valid = _tile_scores(
+            q,
+            q_rows,
+            q_ok,
+            sq_d,
+            k_base,
+            offs_n,
+            pos,
+            sk_s,
+            sk_d,
+            SEQ,
+            scaling,
+            softcap,
+            window,
+            BLOCK_M,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_DK,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            CAST_F32,
+        )
         s = tl.where(valid, s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -186,7 +210,29 @@ def _attention_stats_kernel(
     # probabilities on keys 0 .. N_FIRST-1
     if BLOCK_F > 0:
         offs_f = tl.arange(0, BLOCK_F)
-        sf, ok = _tile_scores(q, q_rows, q_ok, sq_d, k_base, offs_f, pos, sk_s, sk_d, tl.minimum(SEQ, N_FIRST), scaling, softcap, window, BLOCK_M, BLOCK_F, HEAD_DIM, BLOCK_D, BLOCK_DK, HAS_WINDOW, HAS_SOFTCAP, CAST_F32)
+        sf, ok = _tile_scores(
+            q,
+            q_rows,
+            q_ok,
+            sq_d,
+            k_base,
+            offs_f,
+            pos,
+            sk_s,
+            sk_d,
+            tl.minimum(SEQ, N_FIRST),
+            scaling,
+            softcap,
+            window,
+            BLOCK_M,
+            BLOCK_F,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_DK,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            CAST_F32,
+        )
         pf = tl.exp(tl.where(ok, sf - lse[:, None], _NEG))  # masked keys: exp(-1e30) = 0, no overflow
         tl.store(first_ptr + out_row[:, None] * N_FIRST + offs_f[None, :], pf, mask=q_ok[:, None] & (offs_f[None, :] < N_FIRST))
 

@@ -37,17 +37,30 @@ def one_line(record: Mapping[str, Any]) -> str:
 def summary(record: Mapping[str, Any]) -> str:
     """A short multi-line summary for ``sinkwatch probe``."""
     L, H = record["n_layers"], record["n_heads"]
-    lines = [f"{record['model']}" + (f" @ {record['revision']}" if record.get("revision") else "") + f"  ({L} layers x {H} heads; probe {record['probe']} {record['probe_hash']})"]
+    lines = [
+        f"{record['model']}"
+        + (f" @ {record['revision']}" if record.get("revision") else "")
+        + f"  ({L} layers x {H} heads; probe {record['probe']} {record['probe_hash']})"
+    ]
     if "sink_rate" in record:
         lines.append(
             f"  attention sinks : rate {_fmt(record['sink_rate'])} (Gu Sink_0, eps 0.3), centre position {record['sink_center']}, "
             f"per layer {[round(x, 2) for x in record['sink_rate_per_layer']]}"
         )
         rho = record.get("p0_norm_ratio") or []
-        lines.append(f"  P0 circuit      : circuit layer {record.get('circuit_layer')}, max norm ratio {_fmt(max((r for r in rho if r is not None), default=None), '.2f')}")
+        lines.append(
+            f"  P0 circuit      : circuit layer {record.get('circuit_layer')}, "
+            f"max norm ratio {_fmt(max((r for r in rho if r is not None), default=None), '.2f')}"
+        )
     if "sink_heads_per_layer" in record:
-        lines.append(f"  sink heads      : {sum(record['sink_heads_per_layer'])} of {L * H} (first-token >= 30x), per layer {record['sink_heads_per_layer']}")
-        lines.append(f"  induction heads : {record['n_induction_ge50']} at >= 50x {record['induction_heads'][:8]}, {record['n_induction_ge30']} at >= 30x")
+        lines.append(
+            f"  sink heads      : {sum(record['sink_heads_per_layer'])} of {L * H} (first-token >= 30x), "
+            f"per layer {record['sink_heads_per_layer']}"
+        )
+        lines.append(
+            f"  induction heads : {record['n_induction_ge50']} at >= 50x {record['induction_heads'][:8]}, "
+            f"{record['n_induction_ge30']} at >= 30x"
+        )
     if "induction_score" in record:
         best = max((v for row in record["induction_score"] for v in row if v is not None), default=None)
         lines.append(f"  prefix matching : best head {_fmt(best)}, ICL score {_fmt(record.get('icl_score'), '+.3f')} nats")

@@ -43,7 +43,9 @@ def record_heatmaps(record: Mapping[str, Any]) -> dict:
     if record.get("sink_alpha") is not None:
         figs["sink_alpha"] = heatmap(record["sink_alpha"], f"sink alpha_0 ({where})", cbar="alpha_0", vmax=1.0)
     if record.get("selectivity") is not None:
-        figs["induction_selectivity"] = heatmap(record["selectivity"]["induction"], f"induction selectivity ({where})", cbar="x baseline", log=True)
+        figs["induction_selectivity"] = heatmap(
+            record["selectivity"]["induction"], f"induction selectivity ({where})", cbar="x baseline", log=True
+        )
     if record.get("induction_score") is not None:
         figs["induction_score"] = heatmap(record["induction_score"], f"prefix-matching score ({where})", cbar="score", vmax=1.0)
     return figs

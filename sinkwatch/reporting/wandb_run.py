@@ -16,12 +16,31 @@ Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
 
-HEADLINE = ("sink_rate", "n_induction_ge50", "n_induction_ge30", "induction_score_max", "icl_score", "p0_stage", "induction_state", "circuit_layer")
+# The ``wandb=`` option of the callbacks (LiveConfig.wandb) and of replay (--wandb). Every rule for
+# it lives here, in ``wandb_reporter`` and ``WandbReporter.run``:
+#   auto      the trainer's run (WandbLogger / WandbCallback) or ``wandb.run``; when there is none,
+#             sinkwatch starts one offline, or leaves the mode to wandb when WANDB_MODE is set
+#   online    log to ``wandb.run`` if one exists, else start an online run
+#   offline   log to ``wandb.run`` if one exists, else start an offline run (no account needed)
+#   disabled  no W&B reporter at all
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+HEADLINE = (
+    "sink_rate",
+    "n_induction_ge50",
+    "n_induction_ge30",
+    "induction_score_max",
+    "icl_score",
+    "p0_stage",
+    "induction_state",
+    "circuit_layer",
+)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -32,7 +51,18 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
             out[f"sinkwatch/{key}"] = value
 
-    for key in ("sink_rate", "sink_center", "sink_positions", "circuit_layer", "bos_fraction_raw", "bos_fraction_bestclass", "n_induction_ge30", "n_induction_ge50", "icl_score", "probe_seconds"):
+    for key in (
+        "sink_rate",
+        "sink_center",
+        "sink_positions",
+        "circuit_layer",
+        "bos_fraction_raw",
+        "bos_fraction_bestclass",
+        "n_induction_ge30",
+        "n_induction_ge50",
+        "icl_score",
+        "probe_seconds",
+    ):
         put(key, record.get(key))
     if record.get("sink_heads_per_layer") is not None:
         put("n_sink_heads", sum(record["sink_heads_per_layer"]))
@@ -55,6 +85,30 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def wandb_reporter(
+    option: str,
+    *,
+    trainer_run=None,
+    project: str = "sinkwatch",
+    dir: str | None = None,
+    heatmap_every: int = 5,
+    init_kwargs: dict | None = None,
+) -> WandbReporter | None:
+    """The reporter for ``wandb=option`` (None when disabled). ``trainer_run``: the run the training
+    framework already logs to, used only with "auto". Raises ImportError without wandb installed."""
+    if option not in WANDB_MODES:
+        raise ValueError(f"wandb must be one of {WANDB_MODES}, got {option!r}")
+    if option == "disabled":
+        return None
+    if option == "auto":
+        # "auto" as WandbReporter's mode: wandb.init without mode=, so WANDB_MODE decides
+        mode = "auto" if os.environ.get("WANDB_MODE") else "offline"
+        run = trainer_run
+    else:
+        mode, run = option, None
+    return WandbReporter(run, mode=mode, project=project, dir=dir, heatmap_every=heatmap_every, init_kwargs=init_kwargs)
+
+
 class WandbReporter(Reporter):
     """Logs to ``run`` (the trainer's own run when there is one), else starts one.
 
@@ -64,7 +118,16 @@ class WandbReporter(Reporter):
 
     name = "wandb"
 
-    def __init__(self, run=None, *, mode: str = "offline", project: str = "sinkwatch", dir: str | None = None, heatmap_every: int = 5, init_kwargs: dict | None = None):
+    def __init__(
+        self,
+        run=None,
+        *,
+        mode: str = "offline",
+        project: str = "sinkwatch",
+        dir: str | None = None,
+        heatmap_every: int = 5,
+        init_kwargs: dict | None = None,
+    ):
         import wandb  # ImportError here is reported once by the caller; training goes on
 
         self.wandb = wandb
