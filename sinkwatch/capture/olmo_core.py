@@ -53,9 +53,9 @@ def check_olmo_core_supported(model: nn.Module) -> None:
     name = type(model).__name__
     if getattr(model, "pp_enabled", False):
         raise UnsupportedModelError(
-            f"sinkwatch cannot probe {name} under pipeline parallelism: each rank holds only some blocks, so no rank can run a probe forward. "
-            "sinkwatch supports OLMo-core's data parallelism (FSDP2/HSDP, DDP); probe a pipeline run's checkpoints "
-            "offline instead (convert them to HF and use `sinkwatch replay`)"
+            f"sinkwatch cannot probe {name} under pipeline parallelism: each rank holds only some blocks, "
+            "so no rank can run a probe forward. sinkwatch supports OLMo-core's data parallelism (FSDP2/HSDP, DDP); "
+            "probe a pipeline run's checkpoints offline instead (convert them to HF and use `sinkwatch replay`)"
         )
     if getattr(model, "tp_enabled", False):
         raise UnsupportedModelError(
