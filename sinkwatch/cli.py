@@ -7,14 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-PROBE_CHOICES = ("induction", "repeated", "natural")
+from .probes import PROBE_KINDS
 
 
 def _probe_kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in PROBE_CHOICES]
+    bad = [k for k in kinds if k not in PROBE_KINDS]
     if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"probe kinds are {', '.join(PROBE_CHOICES)} (comma-separated), got {text!r}")
+        raise argparse.ArgumentTypeError(f"probe kinds are {', '.join(PROBE_KINDS)} (comma-separated), got {text!r}")
     return kinds
 
 

@@ -113,13 +113,16 @@ class Monitor:
         t0 = time.perf_counter()
         values: dict = {}
         n_heads = None
+        # Sink keys come from the natural probe when there is one (SPEC §10): natural text is what the
+        # model trains on, so its sinks are the ones training forms; the synthetic induction probe
+        # has no BOS and random tokens, and stands in only when no natural text is configured.
         sink_source = "natural" if any(s.kind == "natural" for s in sets) else "induction"
         with untouched(target.module):
             for s in sets:
                 out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
                 values.update(out)
         values["probe_seconds"] = time.perf_counter() - t0
-        values["stats_backend"] = resolve_backend(self.config.backend, next(target.module.parameters()).device)  # provenance
+        values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
         snap = Snapshot(
             model=model_name or target.name,
             n_layers=target.n_layers,
@@ -146,95 +149,30 @@ class Monitor:
             yield slice(b0, min(probe.n, b0 + size))
 
     def _run(self, target: ProbeTarget, probe: ProbeSet, *, with_sinks: bool) -> tuple[dict, int]:
-        """One probe set through the model; returns record values and n_heads."""
+        """One probe set through the model; returns record values and n_heads.
+
+        The sink/P0 parts ride on the one probe set ``Monitor.probe`` chose for them; the kind's own parts and
+        values come from ``PROBE_RUNS`` (one entry per probe kind, no branching here)."""
         L = target.n_layers
-        device = next(target.module.parameters()).device
-        cfg = self.config
-        parts = []
-        sink = p0 = rowcols = heads = None
-        if with_sinks:
-            sink, p0 = SinkPart(L, cfg.n_first, cfg.backend), P0Part(L)
-            parts += [sink, p0]
-        if probe.kind == "induction":
-            cols, layout = metrics.selectivity_columns(probe.seq_len, probe.fields["ab"], probe.fields["baseline_positions"])
-            rowcols = RowColumnsPart(L, probe.fields["query_row"][:, None], cols[:, None, :], cfg.backend)
-            parts.append(rowcols)
-            if cfg.participation_ratio:
-                heads = HeadOutputPart(L, probe.fields["query_row"])
-                parts.append(heads)
-        elif probe.kind == "repeated":
-            rows, tcols = metrics.repeated_query_columns(probe.params["half_len"], probe.n)
-            rowcols = RowColumnsPart(L, rows, tcols, cfg.backend)
-            parts.append(rowcols)
-        collector = ProbeCollector(parts)
-        last_logits, copy_first, copy_second = [], [], []
+        device = target.device
+        runs: list[_ProbeRun] = [_SinkRun(probe, L, self.config)] if with_sinks else []
+        runs.append(PROBE_RUNS[probe.kind](probe, L, self.config))
+        all_logits = any(run.all_logits for run in runs)
+        collector = ProbeCollector([part for run in runs for part in run.parts])
         with target.capture(collector) as forward:
             for batch in self._batches(probe):
                 collector.batch = batch
                 ids = probe.tokens[batch].to(device)
-                logits = forward(ids, all_logits=probe.kind == "repeated")
-                if probe.kind == "induction":
-                    last_logits.append(logits[:, -1].float().cpu())
-                elif probe.kind == "repeated":
-                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-                    a, b = metrics.copy_losses(loss, probe.params["half_len"])
-                    copy_first.append(a.cpu().numpy())
-                    copy_second.append(b.cpu().numpy())
+                logits = forward(ids, all_logits=all_logits)
+                for run in runs:
+                    run.observe(ids, logits)
         n_heads = None
         values: dict = {}
-        if sink is not None:
-            alpha = sink.result()  # (N, L, H, K)
-            n_heads = alpha.shape[2]
-            values.update(self._sink_values(alpha))
-            ratio, vectors = p0.result()
-            values.update(self._p0_values(ratio, vectors, probe.tokens[:, 0].numpy()))
-        if probe.kind == "induction":
-            gathered, entropy = rowcols.result()  # (N, L, H, 1, G), (N, L, H, 1)
-            n_heads = gathered.shape[2]
-            valid = probe.fields["valid"].astype(bool)
-            scores = metrics.selectivity(gathered[:, :, :, 0], layout, valid)
-            best = metrics.best_class(scores)
-            screen = metrics.head_screen(scores, best)
-            values["selectivity"] = scores
-            values["best_class"] = best
-            values.update({k: v for k, v in screen.items() if k != "sink_heads"})
-            values["attention_entropy"] = entropy[:, :, :, 0].mean(axis=0)
-            targets = torch.as_tensor(probe.fields["token_b"])
-            logits = torch.cat(last_logits)
-            values["induction_target"] = metrics.target_scores(logits[valid], targets[valid]) if valid.any() else None
-            values["induction_valid_sequences"] = int(valid.sum())
-            if heads is not None:
-                gram = np.stack(heads.gram)  # (L, H, D, D)
-                values["pr"] = metrics.participation_ratio(gram)
-                if cfg.classical_pr:
-                    values["pr_classical"] = metrics.participation_ratio_classical(gram, np.stack(heads.total), heads.count)
-        elif probe.kind == "repeated":
-            gathered, _ = rowcols.result()  # (N, L, H, L_rep, 1)
-            n_heads = gathered.shape[2]
-            values["induction_score"] = metrics.induction_score(gathered[..., 0].mean(axis=-1))
-            values["icl_score"] = metrics.icl_score(np.concatenate(copy_first), np.concatenate(copy_second))
+        for run in runs:
+            out, heads = run.values()
+            values.update(out)
+            n_heads = heads if heads is not None else n_heads
         return values, n_heads
-
-    def _sink_values(self, alpha: np.ndarray) -> dict:
-        frac = metrics.sink_fractions(alpha, self.config.sink_epsilon)
-        return {
-            "sink_rate": frac["rate"],
-            "sink_profile": frac["profile"],
-            "sink_rate_per_layer": frac["per_layer"],
-            "sink_alpha": metrics.sink_alpha_mean(alpha),
-            "sink_center": metrics.sink_center(alpha),
-            "sink_positions": metrics.multi_sink_positions(frac["profile"], self.config.stages.secondary_sink_floor),
-        }
-
-    def _p0_values(self, ratio: np.ndarray, vectors: np.ndarray, first_tokens: np.ndarray) -> dict:
-        rho = metrics.p0_norm_ratio(ratio)
-        consistency = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(vectors.shape[1])])
-        st = self.config.stages
-        return {
-            "p0_norm_ratio": rho,
-            "p0_direction_consistency": consistency,
-            "circuit_layer": metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency),
-        }
 
     # ---- group ablation ----
     def ablate(self, model: nn.Module | ProbeTarget, heads: Iterable[str | tuple[int, int]], *, seed: int = 123) -> dict:
@@ -268,7 +206,7 @@ class Monitor:
         return result
 
     def _last_logits(self, target: ProbeTarget, probe: ProbeSet, parts: list) -> torch.Tensor:
-        device = next(target.module.parameters()).device
+        device = target.device
         collector = ProbeCollector(parts)
         out = []
         with target.capture(collector) as forward:
@@ -283,6 +221,133 @@ class Monitor:
         with untouched(target.module):
             self._last_logits(target, probe.subset(1), [counter])
         return counter.n_heads
+
+
+# ---- one entry per probe kind: the parts it adds to the capture and the values it computes --------
+class _ProbeRun:
+    """One probe set's share of ``Monitor._run``: ``parts`` ride the captured forward, ``observe``
+    sees each micro-batch's ids and logits, ``values`` returns (record values, n_heads or None)."""
+
+    all_logits = False  # whether the forward must return logits at every position, not only the last
+
+    def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
+        self.probe, self.config = probe, config
+        self.parts: list = []
+
+    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+    def values(self) -> tuple[dict, int | None]:
+        return {}, None
+
+
+class _SinkRun(_ProbeRun):
+    """Sink and position-0 keys (``sink_*``, ``p0_*``, ``circuit_layer``), on the set that carries them."""
+
+    def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
+        super().__init__(probe, n_layers, config)
+        self.sink, self.p0 = SinkPart(n_layers, config.n_first, config.backend), P0Part(n_layers)
+        self.parts = [self.sink, self.p0]
+
+    def values(self) -> tuple[dict, int | None]:
+        alpha = self.sink.result()  # (N, L, H, K)
+        ratio, vectors = self.p0.result()
+        values = {**_sink_values(alpha, self.config), **_p0_values(ratio, vectors, self.probe.tokens[:, 0].numpy(), self.config)}
+        return values, alpha.shape[2]
+
+
+class _InductionRun(_ProbeRun):
+    """Selectivity at the query row, head classes, PR, and the target's loss / top-k (SPEC §5)."""
+
+    def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
+        super().__init__(probe, n_layers, config)
+        cols, self.layout = metrics.selectivity_columns(probe.seq_len, probe.fields["ab"], probe.fields["baseline_positions"])
+        self.rowcols = RowColumnsPart(n_layers, probe.fields["query_row"][:, None], cols[:, None, :], config.backend)
+        self.heads = HeadOutputPart(n_layers, probe.fields["query_row"]) if config.participation_ratio else None
+        self.parts = [self.rowcols] + ([self.heads] if self.heads is not None else [])
+        self.last_logits: list[torch.Tensor] = []
+
+    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self.last_logits.append(logits[:, -1].float().cpu())
+
+    def values(self) -> tuple[dict, int | None]:
+        probe, cfg = self.probe, self.config
+        gathered, entropy = self.rowcols.result()  # (N, L, H, 1, G), (N, L, H, 1)
+        valid = probe.fields["valid"].astype(bool)
+        scores = metrics.selectivity(gathered[:, :, :, 0], self.layout, valid)
+        best = metrics.best_class(scores)
+        screen = metrics.head_screen(scores, best)
+        values = {"selectivity": scores, "best_class": best}
+        values.update({k: v for k, v in screen.items() if k != "sink_heads"})
+        values["attention_entropy"] = entropy[:, :, :, 0].mean(axis=0)
+        targets = torch.as_tensor(probe.fields["token_b"])
+        logits = torch.cat(self.last_logits)
+        values["induction_target"] = metrics.target_scores(logits[valid], targets[valid]) if valid.any() else None
+        values["induction_valid_sequences"] = int(valid.sum())
+        if self.heads is not None:
+            gram = np.stack(self.heads.gram)  # (L, H, D, D)
+            values["pr"] = metrics.participation_ratio(gram)
+            if cfg.classical_pr:
+                values["pr_classical"] = metrics.participation_ratio_classical(gram, np.stack(self.heads.total), self.heads.count)
+        return values, gathered.shape[2]
+
+
+class _RepeatedRun(_ProbeRun):
+    """Prefix-matching induction score and the ICL score (second-copy minus first-copy loss)."""
+
+    all_logits = True  # the copy losses need every position
+
+    def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
+        super().__init__(probe, n_layers, config)
+        rows, tcols = metrics.repeated_query_columns(probe.params["half_len"], probe.n)
+        self.rowcols = RowColumnsPart(n_layers, rows, tcols, config.backend)
+        self.parts = [self.rowcols]
+        self.copy_first: list[np.ndarray] = []
+        self.copy_second: list[np.ndarray] = []
+
+    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        a, b = metrics.copy_losses(loss, self.probe.params["half_len"])
+        self.copy_first.append(a.cpu().numpy())
+        self.copy_second.append(b.cpu().numpy())
+
+    def values(self) -> tuple[dict, int | None]:
+        gathered, _ = self.rowcols.result()  # (N, L, H, L_rep, 1)
+        values = {
+            "induction_score": metrics.induction_score(gathered[..., 0].mean(axis=-1)),
+            "icl_score": metrics.icl_score(np.concatenate(self.copy_first), np.concatenate(self.copy_second)),
+        }
+        return values, gathered.shape[2]
+
+
+class _NaturalRun(_ProbeRun):
+    """Natural text computes nothing of its own: it carries the sink keys (``Monitor.probe``)."""
+
+
+PROBE_RUNS: dict[str, type[_ProbeRun]] = {"induction": _InductionRun, "repeated": _RepeatedRun, "natural": _NaturalRun}
+
+
+def _sink_values(alpha: np.ndarray, config: MonitorConfig) -> dict:
+    frac = metrics.sink_fractions(alpha, config.sink_epsilon)
+    return {
+        "sink_rate": frac["rate"],
+        "sink_profile": frac["profile"],
+        "sink_rate_per_layer": frac["per_layer"],
+        "sink_alpha": metrics.sink_alpha_mean(alpha),
+        "sink_center": metrics.sink_center(alpha),
+        "sink_positions": metrics.multi_sink_positions(frac["profile"], config.stages.secondary_sink_floor),
+    }
+
+
+def _p0_values(ratio: np.ndarray, vectors: np.ndarray, first_tokens: np.ndarray, config: MonitorConfig) -> dict:
+    rho = metrics.p0_norm_ratio(ratio)
+    consistency = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(vectors.shape[1])])
+    st = config.stages
+    return {
+        "p0_norm_ratio": rho,
+        "p0_direction_consistency": consistency,
+        "circuit_layer": metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency),
+    }
 
 
 def _parse_head(h) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import findings as F
+from .records import best_induction_score
 from .replay import failed_revisions, merged_records
 from .reporting.figures import _plt, record_heatmaps, save
 from .reporting.jsonl import read_jsonl
@@ -195,7 +196,7 @@ def figure_prefix(stores, out: Path) -> str | None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, s in enumerate(stores):
         best = [
-            max((v for row in r["induction_score"] for v in row if v is not None), default=None) if r.get("induction_score") else None
+            best_induction_score(r)
             for r in s.records
         ]
         _plot(a1, s.x(), best, color=f"C{i}", marker="o", label=s.label)
@@ -251,7 +252,7 @@ def _trajectory_table(s: Store) -> list[str]:
     head = "| revision / step | tokens | sink rate | sink heads | ind >= 30x | ind >= 50x | prefix best | ICL | P0 stage | induction |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in s.records:
-        best = max((v for row in r["induction_score"] for v in row if v is not None), default=None) if r.get("induction_score") else None
+        best = best_induction_score(r)
         lines.append(
             f"| {r.get('revision') or r.get('step')} | {_tokens(r.get('tokens'))} | {_fmt(r.get('sink_rate'))} | "
             f"{sum(r['sink_heads_per_layer']) if 'sink_heads_per_layer' in r else '—'} | "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from .records import jsonable
 
 # Keys of SPEC §10 in the order records are written. Values that the configured probes cannot
 # produce are absent from a record, never zero.
@@ -21,23 +20,6 @@ RECORD_KEYS = (
     "p0_stage", "induction_state", "p0_stage_now", "induction_state_now",
 )  # fmt: skip
 
-
-def jsonable(x: Any) -> Any:
-    """Nested lists of plain Python numbers; NaN and infinities become None."""
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        x = float(x)
-        return x if math.isfinite(x) else None
-    return x
 
 
 def combined_probe_hash(hashes: Mapping[str, str]) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
+from .records import jsonable
 
 P0_STAGES = ("none", "early", "transitional", "final")
 INDUCTION_STATES = ("absent", "forming", "formed")
@@ -239,7 +240,7 @@ class StageTracker:
                 continue
             new = order[held]
             since = next(r for r in recent if order.index(r["stage"]) >= held)
-            event = StageEvent(timeline, new, current, step, tokens, since["step"], since["tokens"], _jsonable(evidence))
+            event = StageEvent(timeline, new, current, step, tokens, since["step"], since["tokens"], jsonable(evidence))
             if timeline == "p0":
                 self.p0_stage = new
             else:
@@ -282,15 +283,3 @@ class StageTracker:
         tracker = cls(StageConfig(**state["config"]))
         tracker.load_state_dict(state)
         return tracker
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        return metrics.finite_or_none(float(x))
-    return x

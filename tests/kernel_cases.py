@@ -9,6 +9,17 @@ import torch
 LSE_ATOL = 2e-5
 ENTROPY_ATOL = 2e-5
 PROB_ATOL = 2e-6
+REFERENCE_RTOL = 1e-5  # on top of each atol, relative to the reference value
+
+# Triton against the chunked PyTorch path: two float32 accumulations in different orders
+TRITON_VS_TORCH_ATOL = 3e-5
+TRITON_VS_TORCH_RTOL = 1e-4
+TRITON_VS_TORCH_ATOL_LONG = 5e-5  # bf16 inputs at S = 1000 .. 4096 (GPU): longer sums drift further
+
+
+def case_id(B: int, S: int, H: int, D: int, *extra) -> str:
+    """Readable parametrize ids in the flash-linear-attention style: ``B1-S64-H2-D128-...``."""
+    return "-".join([f"B{B}-S{S}-H{H}-D{D}", *(str(e).replace("torch.", "") for e in extra)])
 
 
 def make_inputs(B, Hq, Hkv, S, D, *, dtype=torch.float32, layout="contiguous", seed=0, scale=1.0, device="cpu"):
@@ -30,7 +41,7 @@ def make_inputs(B, Hq, Hkv, S, D, *, dtype=torch.float32, layout="contiguous", s
     return q.to(device), k.to(device)
 
 
-def assert_close_to_reference(got, ref, *, G: int):
+def assert_close_to_reference(got, ref):
     """Every output cell written, finite, and within the named tolerances of the float64 reference."""
     for name, a, b, atol in (
         ("lse", got.lse, ref.lse, LSE_ATOL),
@@ -43,5 +54,5 @@ def assert_close_to_reference(got, ref, *, G: int):
         assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) cells"
         a64 = a.double().cpu()
         err = (a64 - b.cpu()).abs()
-        tol = atol + 1e-5 * b.cpu().abs()
+        tol = atol + REFERENCE_RTOL * b.cpu().abs()
         assert (err <= tol).all(), f"{name}: max error {float(err.max()):.3g} (atol {atol})"

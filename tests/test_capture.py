@@ -14,6 +14,7 @@ from sinkwatch.probes import ProbeSet
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("previous", ["sdpa", "eager"])
 def test_outputs_unchanged_under_capture(family, previous):
+    """Logits under capture equal the plain forward's bit for bit, and the attention implementation is restored."""
     model = build(family, seed=2)
     model.set_attn_implementation(previous)
     ids = torch.randint(0, VOCAB, (3, 50), generator=torch.Generator().manual_seed(0))
@@ -30,6 +31,7 @@ def test_outputs_unchanged_under_capture(family, previous):
 
 
 def test_probe_leaves_the_model_as_found():
+    """Parameters, gradients, train/eval modes, requires_grad, attention implementation and RNG are as before the probe."""
     model = build("llama", seed=3)
     model.train()
     model.model.layers[0].eval()  # mixed modes must be restored per module
@@ -56,6 +58,7 @@ def test_probe_leaves_the_model_as_found():
 
 
 def test_attention_implementation_restored_when_the_probe_fails():
+    """A probe that raises still restores the model's attention implementation."""
     model = build("gpt2")
     bad = ProbeSet("natural", torch.full((2, 20), VOCAB + 5), {}, {})
     with pytest.raises(ValueError, match="vocabulary"):
@@ -64,6 +67,7 @@ def test_attention_implementation_restored_when_the_probe_fails():
 
 
 def test_model_without_attention_interface_is_named():
+    """A model that bypasses AttentionInterface is refused with its class named."""
     from toy_unsupported import ToyConfig, ToyLM
 
     model = ToyLM(ToyConfig())
@@ -72,24 +76,28 @@ def test_model_without_attention_interface_is_named():
 
 
 def test_probe_longer_than_context():
+    """A probe longer than the model's context is a ValueError that suggests --seq-len."""
     model = build("gpt_neox", max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"context of 64.*--seq-len <= 64"):
         Monitor([InductionProbe(n=2, seq_len=128)]).probe(model)
 
 
 def test_token_ids_outside_vocabulary():
+    """Probe tokens beyond the vocabulary are a ValueError that suggests --vocab-range."""
     model = build("qwen3")
     with pytest.raises(ValueError, match="--vocab-range"):
         Monitor([InductionProbe(n=2, seq_len=64, vocab_range=(100, 1000))]).probe(model)
 
 
 def test_vocabulary_too_small_for_the_induction_probe():
+    """A two-token vocabulary cannot hold the induction probe: a clear ValueError."""
     model = build("llama", vocab_size=2)
     with pytest.raises(ValueError, match="too small"):
         Monitor([InductionProbe(n=2, seq_len=64)]).probe(model)
 
 
 def test_find_transformers_model_unwraps_wrappers():
+    """The transformers model is found inside holders and torch.compile; a plain module is refused."""
     model = build("llama")
 
     class Holder(torch.nn.Module):
@@ -105,6 +113,7 @@ def test_find_transformers_model_unwraps_wrappers():
 
 
 def test_probe_is_deterministic_and_batch_size_invariant():
+    """Records agree whatever the probe micro-batch size."""
     model = build("olmo", seed=5)
     a = Monitor([InductionProbe(n=12, seq_len=64)], config=MonitorConfig(batch_tokens=64)).probe(model).to_record()
     b = Monitor([InductionProbe(n=12, seq_len=64)], config=MonitorConfig(batch_tokens=100000)).probe(model).to_record()
@@ -114,6 +123,7 @@ def test_probe_is_deterministic_and_batch_size_invariant():
 
 
 def test_group_ablation_reports_baseline_ablated_and_control(trained_models):
+    """Ablation reports baseline, ablated and a disjoint matched control; unknown heads are refused."""
     model = trained_models.get("gpt2")
     res = Monitor([InductionProbe(n=16, seq_len=64)]).ablate(model, ["L0H1", (1, 2)])
     assert res["heads"] == ["L0H1", "L1H2"]

@@ -20,6 +20,7 @@ def model_dir(tmp_path_factory, char_tokenizer):
 
 
 def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsys):
+    """`sinkwatch probe` writes the full record and prints the summary."""
     text = tmp_path / "t.txt"
     text.write_text("In the beginning was the word, and the word was with code. " * 30)
     out = tmp_path / "rec.json"
@@ -56,12 +57,14 @@ def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsy
 
 
 def test_probe_in_bfloat16(model_dir, tmp_path):
+    """`sinkwatch probe --dtype bfloat16` gives a record with a valid sink rate."""
     out = tmp_path / "bf16.json"
     assert main(["probe", str(model_dir), "--n", "4", "--seq-len", "64", "--dtype", "bfloat16", "--out", str(out)]) == 0
     assert 0 <= json.loads(out.read_text())["sink_rate"] <= 1
 
 
 def test_probe_errors_are_clear(model_dir, capsys):
+    """Bad --seq-len, a natural probe without --text and a bad --vocab-range exit 2 with advice."""
     assert main(["probe", str(model_dir), "--seq-len", "512"]) == 2
     assert "context of 128" in capsys.readouterr().err
     assert main(["probe", str(model_dir), "--probe", "natural"]) == 2
@@ -71,6 +74,7 @@ def test_probe_errors_are_clear(model_dir, capsys):
 
 
 def test_console_entry_point(model_dir, tmp_path):
+    """`python -m sinkwatch probe` runs end to end in a subprocess."""
     out = tmp_path / "r.json"
     res = subprocess.run(
         [sys.executable, "-m", "sinkwatch", "probe", str(model_dir), "--n", "4", "--seq-len", "64", "--out", str(out)],

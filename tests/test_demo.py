@@ -7,6 +7,7 @@ from sinkwatch.reporting.jsonl import read_jsonl
 
 
 def test_demo_writes_records_and_a_consistent_report(tmp_path, capsys):
+    """`sinkwatch demo` writes records at every probe step and a report whose rows and figures match them."""
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "40", "--every", "20", "--out", str(out), "--wandb", "offline"]) == 0
     printed = capsys.readouterr().out
@@ -25,6 +26,7 @@ def test_demo_writes_records_and_a_consistent_report(tmp_path, capsys):
 
 
 def test_demo_data_is_deterministic_and_half_periodic():
+    """Demo windows are seeded, about half periodic, and bytes."""
     corpus = stdlib_bytes(limit=200_000)
     a, b = DemoWindows(corpus, 200, seed=3), DemoWindows(corpus, 200, seed=3)
     assert all((a[i] == b[i]).all() for i in range(0, 200, 17))
@@ -34,6 +36,7 @@ def test_demo_data_is_deterministic_and_half_periodic():
 
 
 def test_the_pretraining_recipes_run(tmp_path):
+    """Both recipes in recipes/ train a few steps and write records."""
     import subprocess
     import sys
     from pathlib import Path

@@ -58,6 +58,7 @@ def ddp_run(request, tmp_path_factory):
 
 
 def test_ddp_records_equal_a_single_process_probe(ddp_run):
+    """Records written once by rank 0 equal a single-process probe of the saved model."""
     from ddp_lightning import PROBES
 
     records = read_jsonl(ddp_run / "sw" / "records.jsonl")
@@ -76,6 +77,7 @@ def test_ddp_records_equal_a_single_process_probe(ddp_run):
 
 
 def test_ddp_logs_and_alerts_once(ddp_run):
+    """One event and one W&B run: only global rank 0 reports."""
     events = read_jsonl(ddp_run / "sw" / "events.jsonl")
     assert [(e["previous"], e["stage"]) for e in events] == [("none", "final")]
     runs = list((ddp_run / "sw" / "wandb").glob("offline-run-*"))

@@ -13,6 +13,7 @@ def ours(model):
 
 
 def test_sink_saturation_milestones_are_recovered():
+    """The sink-fraction milestones of the three published trajectories are recovered."""
     assert ours(PYTHIA)["sink_fraction_ge_50pct"] == pytest.approx(299.89e9)
     assert ours(OLMO)["sink_fraction_ge_50pct"] == pytest.approx(264e9)
     assert ours(OLMOE)["sink_fraction_ge_50pct"] == pytest.approx(419e9)
@@ -22,18 +23,21 @@ def test_sink_saturation_milestones_are_recovered():
 
 
 def test_olmo_transition_is_one_abrupt_jump():
+    """OLMo's largest sink jump is the published 7.4% -> 70.3% between the named revisions."""
     jump = ours(OLMO)["largest_jump"]
     assert round(jump["from"] * 100, 1) == 7.4 and round(jump["to"] * 100, 1) == 70.3
     assert (jump["from_revision"], jump["to_revision"]) == ("step56000-tokens117B", "step126000-tokens264B")
 
 
 def test_the_l0_l1_floor_holds_in_all_three_models():
+    """No sink heads in layers 0 and 1 at the end of all three trajectories."""
     for m in (PYTHIA, OLMO, OLMOE):
         assert ours(m)["l0_l1_floor"] is True
 
 
 def test_induction_formation_and_the_token_gaps():
     # from the released >= 30x counts (the release has no per-revision >= 50x counts):
+    """Induction milestones and the induction-to-sink token gaps match the paper's."""
     assert ours(PYTHIA)["induction_formed"] == pytest.approx(6.29e9)
     assert ours(OLMOE)["induction_formed"] == pytest.approx(20e9)
     assert ours(OLMO)["induction_formed"] == pytest.approx(10e9)  # the paper's 23B needs >= 50x counts
@@ -81,6 +85,7 @@ def test_findings_from_records_match_the_reference_loader():
 
 
 def test_reference_keys():
+    """Model names map to their published reference keys; unknown models to None."""
     assert F.reference_key("pythia-1b") == PYTHIA
     assert F.reference_key("allenai/OLMoE-1B-7B-0924") == OLMOE
     assert F.reference_key("gpt2") is None

@@ -26,6 +26,7 @@ def args(tmp_path, **kw):
 
 
 def test_train_reuses_the_wandb_callback_run(tmp_path):
+    """The HF callback logs records and reuses the WandbCallback's run instead of starting one."""
     cb = SinkWatchTrainerCallback(every_n_steps=10, out_dir=str(tmp_path / "sw"), console=False)
     t = Trainer(
         model=build("gpt_neox"), args=args(tmp_path, report_to=["wandb"], run_name="hf-test"), train_dataset=CopyDataset(), callbacks=[cb]
@@ -49,6 +50,7 @@ def test_train_reuses_the_wandb_callback_run(tmp_path):
 
 
 def test_a_transition_gives_exactly_one_alert(tmp_path):
+    """A planted stage transition gives exactly one event and one W&B alert."""
     cb = SinkWatchTrainerCallback(
         every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False
     )
@@ -73,6 +75,7 @@ def losses_and_params(tmp_path, with_cb):
 
 
 def test_the_monitor_is_invisible_to_training(tmp_path):
+    """Losses and final parameters are bit-identical with and without the callback."""
     la, pa = losses_and_params(tmp_path / "a", False)
     lb, pb = losses_and_params(tmp_path / "b", True)
     assert la == lb and len(la) == 12
@@ -82,6 +85,7 @@ def test_the_monitor_is_invisible_to_training(tmp_path):
 
 
 def test_gradient_accumulation_one_probe_per_optimizer_step(tmp_path):
+    """With gradient accumulation the callback probes once per optimizer step."""
     cb = SinkWatchTrainerCallback(every_n_steps=2, out_dir=str(tmp_path / "sw"), probes=SMALL, wandb="disabled", console=False)
     Trainer(
         model=build("qwen3"),
@@ -96,6 +100,7 @@ def test_gradient_accumulation_one_probe_per_optimizer_step(tmp_path):
 
 @pytest.mark.parametrize("restore_flag", [False, True])
 def test_resume_from_checkpoint(tmp_path, restore_flag):
+    """Resuming from a checkpoint restores the callback state and continues the records without duplicates."""
     out = tmp_path / "sw"
     data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (512, 32))]
     kw = dict(out_dir=str(out), every_n_steps=5, probes=[InductionProbe(n=8, seq_len=64)], wandb="disabled", console=False)

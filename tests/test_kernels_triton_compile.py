@@ -46,12 +46,14 @@ def compiled():
 
 def test_every_case_compiles_to_a_cubin(compiled):
     # 2 dtypes x 2 head dims with 8 (bf16) or 4 (fp32) configs, plus 2 archs x 3 dtypes x 3 variants
+    """Every surveyed dtype x variant x head dim compiles to a cubin for sm_80 and sm_90."""
     assert len(compiled) == 2 * (8 + 4) + 2 * 3 * 3
     assert {r["arch"] for r in compiled} == {80, 90}
     assert {r["variant"] for r in compiled} == {"all_rows", "rows", "window,softcap"}
 
 
 def test_sixteen_bit_inputs_never_spill_and_always_fit(compiled):
+    """16-bit configs never spill registers and fit in shared memory."""
     half = [r for r in compiled if r["dtype"] in ("bf16", "fp16")]
     assert half
     for r in half:
@@ -61,6 +63,7 @@ def test_sixteen_bit_inputs_never_spill_and_always_fit(compiled):
 
 
 def test_float32_inputs_have_spill_free_configs_at_every_head_dim(compiled):
+    """float32 inputs have a spill-free config at every head dim."""
     fp32 = [r for r in compiled if r["dtype"] == "fp32"]
     for arch, d in {(r["arch"], r["head_dim"]) for r in fp32}:
         usable = [r for r in fp32 if (r["arch"], r["head_dim"]) == (arch, d) and r["fits"] and r["spill_bytes"] <= 64]
@@ -69,6 +72,7 @@ def test_float32_inputs_have_spill_free_configs_at_every_head_dim(compiled):
 
 
 def test_float32_pruning_keeps_narrow_key_blocks():
+    """float32 launches keep only the narrow key blocks; the autotuner's hook prunes by argument name."""
     import torch
 
     from sinkwatch.kernels.triton_stats import _configs, _prune, configs_for
@@ -84,6 +88,7 @@ def test_float32_pruning_keeps_narrow_key_blocks():
 
 
 def test_one_query_row_only_times_the_shortest_row_blocks():
+    """Launches with few query rows time only the row blocks they can fill."""
     import torch
 
     from sinkwatch.kernels.triton_stats import _configs, _prune, configs_for

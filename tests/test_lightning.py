@@ -18,6 +18,7 @@ SMALL = [InductionProbe(n=16, seq_len=64), RepeatedRandomProbe(n=8, seq_len=32)]
 
 
 def test_fit_records_keys_and_wandb_offline(tmp_path):
+    """A Lightning fit writes records with every key and logs them to an offline W&B run."""
     pl.seed_everything(0)
     cb = SinkWatchCallback(every_n_steps=10, out_dir=str(tmp_path / "sw"), wandb="offline", console=False)
     lit = LitLM(build("llama"))
@@ -65,6 +66,7 @@ class PlantedLit(LitLM):
 
 
 def test_a_transition_gives_exactly_one_alert(tmp_path):
+    """A planted stage transition gives exactly one event and one W&B alert."""
     lit = PlantedLit(planted.p0_final())
     cb = SinkWatchCallback(
         every_n_steps=5, out_dir=str(tmp_path / "sw"), probes=[InductionProbe(n=8, seq_len=64)], wandb="offline", console=False
@@ -89,6 +91,7 @@ def run_losses_and_params(tmp_path, with_callback: bool, **fit_kw):
 
 
 def test_the_monitor_is_invisible_to_training(tmp_path):
+    """Losses and final parameters are bit-identical with and without the callback."""
     losses_a, params_a = run_losses_and_params(tmp_path / "a", with_callback=False)
     losses_b, params_b = run_losses_and_params(tmp_path / "b", with_callback=True)
     assert losses_a == losses_b  # bit-identical loss sequence
@@ -98,6 +101,7 @@ def test_the_monitor_is_invisible_to_training(tmp_path):
 
 
 def test_gradient_accumulation_probes_once_per_optimizer_step(tmp_path):
+    """With gradient accumulation the callback probes once per optimizer step."""
     cb = SinkWatchCallback(every_n_steps=2, out_dir=str(tmp_path / "sw"), probes=SMALL, wandb="disabled", console=False)
     trainer(tmp_path, [cb], max_steps=6, accumulate_grad_batches=4).fit(LitLM(build("qwen2")), loader(batch_size=2))
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
@@ -106,6 +110,7 @@ def test_gradient_accumulation_probes_once_per_optimizer_step(tmp_path):
 
 
 def test_resume_mid_run_continues_without_refiring(tmp_path):
+    """Resuming mid-run continues the records and fires no event twice."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = tmp_path / "sw"
@@ -136,6 +141,7 @@ def test_resume_mid_run_continues_without_refiring(tmp_path):
 
 def test_faults_never_stop_training(tmp_path, monkeypatch):
     # wandb missing: one warning, JSONL keeps everything
+    """A missing wandb warns once and training and the JSONL go on."""
     monkeypatch.setitem(sys.modules, "wandb", None)
     cb = SinkWatchCallback(every_n_steps=5, out_dir=str(tmp_path / "a"), probes=SMALL, wandb="offline", console=False)
     with pytest.warns(RuntimeWarning, match="wandb is not installed"):
@@ -145,6 +151,7 @@ def test_faults_never_stop_training(tmp_path, monkeypatch):
 
 
 def test_wandb_init_failure(tmp_path, monkeypatch):
+    """A failing wandb.init warns and the JSONL records go on."""
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: init fails
@@ -158,6 +165,7 @@ def test_wandb_init_failure(tmp_path, monkeypatch):
 
 
 def test_logging_to_a_finished_run_fails_softly(tmp_path):
+    """Logging to a finished W&B run warns and the JSONL records go on."""
     import wandb
 
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
@@ -172,6 +180,7 @@ def test_logging_to_a_finished_run_fails_softly(tmp_path):
 
 
 def test_nan_activations_and_probe_exceptions(tmp_path):
+    """NaN activations are recorded as null; a failing probe is logged as an error and training goes on."""
     lit = LitLM(build("llama"))
     with torch.no_grad():
         lit.model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
@@ -196,6 +205,7 @@ def test_nan_activations_and_probe_exceptions(tmp_path):
 
 
 def test_unsupported_model_fails_at_fit_start(tmp_path):
+    """A module without a transformers model fails at fit start with the reason."""
     class Plain(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -212,6 +222,7 @@ def test_unsupported_model_fails_at_fit_start(tmp_path):
 
 
 def test_nanogpt_style_module_through_the_adapter(tmp_path):
+    """A nanoGPT-style module with sinkwatch_target() is probed through the callback."""
     cb = SinkWatchCallback(every_n_steps=5, out_dir=str(tmp_path / "g"), wandb="disabled", console=False)
     trainer(tmp_path, [cb], max_steps=10).fit(LitNanoGPT(), loader())
     recs = read_jsonl(tmp_path / "g" / "records.jsonl")
@@ -221,6 +232,7 @@ def test_nanogpt_style_module_through_the_adapter(tmp_path):
 
 
 def test_peft_wrapped_model(tmp_path):
+    """A PEFT-wrapped model is probed through the callback."""
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     cb = SinkWatchCallback(every_n_steps=5, out_dir=str(tmp_path / "p"), probes=SMALL, wandb="disabled", console=False)
@@ -229,6 +241,7 @@ def test_peft_wrapped_model(tmp_path):
 
 
 def test_bf16_mixed_precision(tmp_path):
+    """bf16 mixed precision training is probed and gives finite scores."""
     cb = SinkWatchCallback(every_n_steps=5, out_dir=str(tmp_path / "m"), probes=SMALL, wandb="disabled", console=False)
     trainer(tmp_path, [cb], max_steps=5, precision="bf16-mixed").fit(LitLM(build("olmo")), loader())
     recs = read_jsonl(tmp_path / "m" / "records.jsonl")
@@ -236,6 +249,7 @@ def test_bf16_mixed_precision(tmp_path):
 
 
 def test_compiled_model_is_not_recompiled_by_probing(tmp_path):
+    """Probing a torch.compile'd model leaves its compiled graphs as they were."""
     import torch._dynamo
 
     def run(with_cb):
@@ -256,6 +270,7 @@ def test_compiled_model_is_not_recompiled_by_probing(tmp_path):
 
 
 def test_callback_validates_its_arguments():
+    """Bad callback options are refused at construction with the option named."""
     with pytest.raises(ValueError, match="every_n_steps"):
         SinkWatchCallback(every_n_steps=0)
     with pytest.raises(ValueError, match="wandb"):

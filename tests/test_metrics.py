@@ -8,6 +8,7 @@ from sinkwatch import metrics as M
 
 
 def test_sink_alpha_averages_over_queries_at_or_after_k():
+    """alpha_k averages only over queries at or after key k; k >= S is undefined."""
     S, K = 5, 3
     first = torch.zeros(1, 1, S, K)
     first[0, 0, :, 0] = torch.tensor([1.0, 0.5, 0.2, 0.2, 0.1])
@@ -19,6 +20,7 @@ def test_sink_alpha_averages_over_queries_at_or_after_k():
 
 
 def test_sink_fractions_use_a_strict_epsilon_per_sample():
+    """Sink fractions count alpha > epsilon strictly, per sample; the sink centre follows the mass."""
     alpha = np.zeros((2, 2, 2, 3))  # (N, L, H, K)
     alpha[0, 0, 0, 0] = 0.3  # not > 0.3
     alpha[0, 0, 1, 0] = 0.31
@@ -36,6 +38,7 @@ def test_sink_fractions_use_a_strict_epsilon_per_sample():
 
 
 def test_selectivity_columns_and_scores():
+    """Selectivity columns sit at the protocol's positions and scores divide by the baseline."""
     T = 64
     ab = np.array([20, 25])
     base = np.arange(1, 51)
@@ -60,6 +63,7 @@ def test_selectivity_columns_and_scores():
 
 
 def test_head_screen_thresholds_are_inclusive():
+    """Head-screen thresholds (30x, 50x) are inclusive."""
     z = np.zeros((2, 2))
     scores = {c: z.copy() for c in M.SELECTIVITY_CLASSES}
     scores["first"][1] = [30.0, 29.99]
@@ -74,6 +78,7 @@ def test_head_screen_thresholds_are_inclusive():
 
 
 def test_participation_ratio_matches_svd_and_its_range():
+    """PR equals the SVD formula, spans 1 .. d_head, and is NaN for zero or NaN input."""
     rng = np.random.RandomState(0)
     M_ = rng.randn(40, 6) * np.array([5, 1, 1, 0.1, 0.1, 0.1])
     s = np.linalg.svd(M_, compute_uv=False)
@@ -91,6 +96,7 @@ def test_participation_ratio_matches_svd_and_its_range():
 
 
 def test_repeated_probe_rows_and_copy_losses():
+    """Repeated-probe query rows, copy losses and the ICL and induction scores follow their definitions."""
     rows, cols = M.repeated_query_columns(4, 2)
     assert rows[0].tolist() == [4, 5, 6, 7] and cols[0, :, 0].tolist() == [1, 2, 3, 4]
     loss = torch.arange(7.0)[None]  # column t predicts t + 1, 2L - 1 = 7 columns
@@ -102,12 +108,14 @@ def test_repeated_probe_rows_and_copy_losses():
 
 
 def test_p0_norm_ratio_uses_true_medians():
+    """The position-0 norm ratio uses true medians (even counts averaged)."""
     norms = torch.tensor([[10.0, 1.0, 2.0, 3.0, 4.0]])  # median of 1..4 is 2.5
     assert M.norm_ratio_per_sequence(norms).item() == pytest.approx(4.0)
     assert M.p0_norm_ratio(np.array([[1.0], [3.0], [10.0], [20.0]]))[0] == pytest.approx(6.5)
 
 
 def test_direction_consistency_skips_same_token_pairs():
+    """Direction consistency averages only pairs with different first tokens."""
     v = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
     # pairs with different first tokens: (0,2) and (1,2): both orthogonal
     assert M.direction_consistency(v, np.array([5, 5, 6])) == pytest.approx(0.0)
@@ -120,6 +128,7 @@ def test_direction_consistency_skips_same_token_pairs():
 
 
 def test_circuit_layer_is_the_first_block_meeting_both():
+    """The circuit layer is the first block meeting both the norm and the consistency threshold."""
     rho = np.array([1.0, 8.0, 9.0, np.nan])
     c = np.array([1.0, 0.5, 0.95, 1.0])
     assert M.circuit_layer(rho, c, 5.0, 0.9) == 2
@@ -127,6 +136,7 @@ def test_circuit_layer_is_the_first_block_meeting_both():
 
 
 def test_target_scores_and_controls():
+    """Target loss/top-k and the matched random control heads follow their definitions."""
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 3.0, 4.0, -1.0], [9.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
     s = M.target_scores(logits, torch.tensor([1, 2]))
     assert s["top1"] == 0.5 and s["top5"] == 0.5
@@ -141,5 +151,6 @@ def test_target_scores_and_controls():
 
 
 def test_circuit_recall():
+    """Circuit recall is the fraction of the final set found; undefined for an empty final set."""
     assert M.circuit_recall({"L1H1"}, {"L1H1", "L2H2"}) == 0.5
     assert M.circuit_recall([], []) is None

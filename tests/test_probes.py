@@ -39,6 +39,7 @@ def spec_induction_batch(n, T, lo, hi, seed=42):
 
 
 def test_paper_induction_probe_follows_the_protocol():
+    """The induction probe reproduces the paper's generation protocol token for token."""
     probe = make_induction_probe(2000, 256)
     tokens, ab = spec_induction_batch(2000, 256, 100, 10000)
     assert np.array_equal(probe.tokens.numpy(), tokens)
@@ -56,6 +57,7 @@ def test_paper_induction_probe_follows_the_protocol():
 
 
 def test_first_500_of_2000_are_the_500_sequence_probe():
+    """The first 500 sequences of the 2000-sequence probe are the 500-sequence probe."""
     big, small = make_induction_probe(2000, 256), make_induction_probe(500, 256)
     assert torch.equal(big.tokens[:500], small.tokens)
     assert big.subset(500).hash == small.hash
@@ -63,6 +65,7 @@ def test_first_500_of_2000_are_the_500_sequence_probe():
 
 def test_paper_probe_hash_is_stable_across_versions():
     # Pinned: replay stores and resumed runs compare this hash; changing the generator must be deliberate.
+    """The paper probe's hash is the published constant."""
     assert make_induction_probe(500, 256).hash == PAPER_500_HASH
 
 
@@ -70,6 +73,7 @@ PAPER_500_HASH = "67f606a0dff8504c"
 
 
 def test_baseline_positions_follow_the_protocol():
+    """Baseline positions are 50 distinct positions in the protocol's range."""
     pos = baseline_positions(256)
     assert len(pos) == len(set(pos.tolist())) == 50
     assert all(1 <= p < 250 for p in pos)
@@ -79,6 +83,7 @@ def test_baseline_positions_follow_the_protocol():
 
 
 def test_repeated_random_probe():
+    """The repeated-random probe is R followed by R, independent of the vocabulary size."""
     probe = make_repeated_random_probe(8, 16, vocab_range=(5, 50), seed=1)
     R = np.random.RandomState(1).randint(5, 50, size=(8, 16))
     assert np.array_equal(probe.tokens.numpy(), np.concatenate([R, R], 1))
@@ -86,6 +91,7 @@ def test_repeated_random_probe():
 
 
 def test_natural_probe_from_stream_rows_and_bos():
+    """Natural windows are cut from a stream or rows, optionally after a BOS token."""
     stream = torch.arange(1000) % 97
     p = make_natural_probe(stream, n=5, seq_len=20)
     assert torch.equal(p.tokens[1], stream[20:40])
@@ -98,6 +104,7 @@ def test_natural_probe_from_stream_rows_and_bos():
 
 
 def test_natural_probe_from_text_file(tmp_path, char_tokenizer):
+    """A natural probe read from a text file holds its first tokens."""
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     probe = NaturalProbe(text_file=str(text), tokenizer=char_tokenizer, n=10, seq_len=32).build(char_tokenizer.vocab_size)
@@ -108,6 +115,7 @@ def test_natural_probe_from_text_file(tmp_path, char_tokenizer):
 
 
 def test_hash_roundtrip_and_sensitivity(tmp_path):
+    """A saved probe loads with its hash; any change to tokens, fields or params changes the hash."""
     p = make_induction_probe(20, 64, vocab_range=(10, 200))
     q = ProbeSet.load(p.save(tmp_path / "p.npz"))
     assert q.hash == p.hash and torch.equal(q.tokens, p.tokens) and q.kind == p.kind and q.params == p.params
@@ -121,6 +129,7 @@ def test_hash_roundtrip_and_sensitivity(tmp_path):
 
 
 def test_corrupt_probe_file_is_refused(tmp_path):
+    """A probe file whose tokens do not match its stored hash is refused."""
     p = make_repeated_random_probe(4, 8, vocab_range=(0, 20))
     data = bytearray(p.to_bytes())
     bad = ProbeSet("repeated", p.tokens + 1, {}, p.params).to_bytes()
@@ -138,6 +147,7 @@ def test_corrupt_probe_file_is_refused(tmp_path):
 
 
 def test_vocab_range_adapts_to_small_vocabularies():
+    """The vocabulary range adapts to small vocabularies and refuses one that cannot fit."""
     assert resolve_vocab_range(50304) == (100, 10000)
     assert resolve_vocab_range(256) == (100, 256)
     assert resolve_vocab_range(150) == (0, 150)
@@ -149,6 +159,7 @@ def test_vocab_range_adapts_to_small_vocabularies():
 
 
 def test_recipes_validate_arguments():
+    """Probe recipes refuse bad arguments at construction."""
     with pytest.raises(ValueError, match="seq_len"):
         InductionProbe(seq_len=40)
     with pytest.raises(ValueError, match="even"):
@@ -162,6 +173,7 @@ def test_recipes_validate_arguments():
 
 
 def test_out_of_vocabulary_tokens_are_refused():
+    """A probe with tokens beyond the vocabulary is refused with the vocabulary size."""
     p = make_natural_probe(torch.arange(500), n=4, seq_len=100)
     with pytest.raises(ValueError, match="vocabulary has 300"):
         p.check_vocab(300)

@@ -100,6 +100,7 @@ def check_record(model, family, record, monitor):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_random_model_record_matches_eager(family):
+    """On a random model every record key equals the eager-attention recomputation."""
     model = build(family, seed=1)
     monitor = Monitor(probes(), config=MonitorConfig(batch_tokens=200))  # several micro-batches per probe
     record = monitor.probe(model).to_record()
@@ -109,6 +110,7 @@ def test_random_model_record_matches_eager(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trained_model_record_matches_eager(family, trained_models):
+    """On a trained model every record key equals the eager-attention recomputation."""
     model = trained_models.get(family)
     monitor = Monitor(probes(), config=MonitorConfig(batch_tokens=300))
     record = monitor.probe(model).to_record()
@@ -116,6 +118,7 @@ def test_trained_model_record_matches_eager(family, trained_models):
 
 
 def test_sink_keys_come_from_the_induction_probe_without_a_natural_probe(trained_models):
+    """Without a natural probe the sink keys come from the induction probe; absent keys stay absent."""
     model = trained_models.get("llama")
     monitor = Monitor([InductionProbe(n=16, seq_len=64)])
     record = monitor.probe(model).to_record()

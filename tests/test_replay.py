@@ -40,12 +40,14 @@ def run(cache, out, **kw):
 
 
 def test_revisions_are_listed_from_the_local_cache(cache):
+    """Revisions are listed from the local cache in training order."""
     repo, cache_dir = cache
     revs = list_revisions(repo, cache_dir=cache_dir)
     assert training_order(revs) == ["step0", "step100", "step300", "step600", "step900", "step1300"]
 
 
 def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, tmp_path):
+    """Replay writes one record per revision and a rerun skips every finished one."""
     rows = run(cache, tmp_path)
     assert [r["revision"] for r in rows] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
     assert all(r["status"] == "ok" for r in rows)
@@ -73,6 +75,7 @@ def test_records_equal_live_probes_of_the_same_weights(cache, trajectory_run, tm
 
 
 def test_an_exception_mid_revision_leaves_no_partial_record(cache, tmp_path, monkeypatch):
+    """A failure mid-revision records the revision as failed and writes nothing partial."""
     original = sinkwatch.monitor.Monitor._run
     calls = {"n": 0}
 
@@ -98,6 +101,7 @@ def test_an_exception_mid_revision_leaves_no_partial_record(cache, tmp_path, mon
 
 
 def test_a_missing_revision_is_recorded_as_failed(cache, tmp_path):
+    """A revision that does not exist is recorded as failed with its name."""
     with pytest.warns(RuntimeWarning, match="step77"):
         rows = run(cache, tmp_path, revisions=["step0", "step77", "step1300"])
     assert [(r["revision"], r["status"]) for r in rows] == [("step0", "ok"), ("step77", "failed"), ("step1300", "ok")]
@@ -105,6 +109,7 @@ def test_a_missing_revision_is_recorded_as_failed(cache, tmp_path):
 
 
 def test_shards_split_the_revisions_and_the_report_merges_them(cache, tmp_path):
+    """Shards split the revisions; the report merges them and re-derives the stages."""
     a = run(cache, tmp_path, shard=(0, 2))
     b = run(cache, tmp_path, shard=(1, 2))
     assert [r["revision"] for r in a] == ["step0", "step300", "step900"]
@@ -122,6 +127,7 @@ def test_shards_split_the_revisions_and_the_report_merges_them(cache, tmp_path):
 
 
 def test_cli_replay_and_report(cache, tmp_path):
+    """`sinkwatch replay` then `sinkwatch report` from the command line."""
     repo, cache_dir = cache
     out = tmp_path / "store"
     rc = main(
@@ -155,6 +161,7 @@ def test_cli_replay_and_report(cache, tmp_path):
 
 
 def test_no_network_fails_fast_with_advice(tmp_path):
+    """Without network replay exits 2 at once with HF_HUB_OFFLINE advice and writes nothing."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     res = subprocess.run(
         [sys.executable, "-m", "sinkwatch", "replay", "recipes/pythia-1b.yaml", "--out", str(tmp_path)],
@@ -170,6 +177,7 @@ def test_no_network_fails_fast_with_advice(tmp_path):
 
 
 def test_recipes_and_revision_names():
+    """Packaged recipes load, and revision names parse to steps and tokens."""
     assert set(packaged_recipes()) >= {"pythia-1b", "olmo-1b-0724", "olmoe-1b-7b-0924"}
     r = load_recipe("olmo-1b-0724")
     assert r.model == "allenai/OLMo-1B-0724-hf" and r.dtype == "float16" and len(r.revisions) == 10

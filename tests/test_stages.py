@@ -28,11 +28,13 @@ def probe_planted(model):
     ],
 )
 def test_planted_p0_stages(build, stage):
+    """Each planted model is classified in its P0 stage."""
     _, record = probe_planted(build())
     assert record["p0_stage_now"] == stage, {k: record[k] for k in ("sink_rate", "sink_profile", "sink_center", "circuit_layer")}
 
 
 def test_planted_final_measurements():
+    """The planted models' position-0 measurements have the values they were built with."""
     _, r = probe_planted(planted.p0_final())
     assert r["circuit_layer"] == 0 and min(r["p0_norm_ratio"]) > 20 and min(r["p0_direction_consistency"]) > 0.99
     assert r["sink_heads_per_layer"] == [0, 0, 3, 3]  # the L0/L1 floor, later layers sink
@@ -46,6 +48,7 @@ def test_planted_final_measurements():
 
 
 def test_planted_induction_circuit_is_formed_and_ablation_removes_copying():
+    """A planted induction circuit is 'formed', and ablating either half removes copying."""
     model = planted.induction_circuit()
     monitor, r = probe_planted(model)
     assert r["induction_state_now"] == "formed"
@@ -85,6 +88,7 @@ def first_step(records, rule, state="formed"):
 
 @pytest.mark.parametrize("rule", ["prefix", "selectivity"])
 def test_trajectory_induction_forms_and_the_tracker_reports_it(trajectory, rule):
+    """On a training trajectory the tracker declares 'forming' then 'formed' once, at the rule's step."""
     cfg = StageConfig(induction_rule=rule)
     tracker = StageTracker(cfg)
     events = [e for r in trajectory for e in tracker.update(dict(r)) if e.timeline == "induction"]
@@ -101,6 +105,7 @@ def test_trajectory_induction_forms_and_the_tracker_reports_it(trajectory, rule)
 
 
 def test_trajectory_prefix_rule_precedes_the_paper_rule(trajectory):
+    """The prefix rule fires before the paper's 50x selectivity rule."""
     prefix, paper = first_step(trajectory, "prefix"), first_step(trajectory, "selectivity")
     assert prefix is not None and paper is not None
     assert prefix < paper, (prefix, paper)
@@ -142,6 +147,7 @@ records_strategy = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(records_strategy, st.integers(1, 4), st.data())
 def test_tracker_event_semantics(seq, patience, data):
+    """Declared stages follow the per-probe stages after `patience` probes, one event per transition."""
     cfg = StageConfig(patience=patience)
     tracker = StageTracker(cfg)
     records = [synthetic_record(10 * i, p, q, j) for i, (p, q, j) in enumerate(seq)]
@@ -187,6 +193,7 @@ def test_tracker_event_semantics(seq, patience, data):
 
 
 def test_noise_around_a_threshold_never_flaps():
+    """Noise around a threshold never fires the same event twice."""
     tracker = StageTracker(StageConfig(patience=2))
     rng = np.random.RandomState(0)
     for i in range(200):
@@ -196,6 +203,7 @@ def test_noise_around_a_threshold_never_flaps():
 
 
 def test_stage_config_validates():
+    """StageConfig refuses bad thresholds; a tracker refuses state saved under other thresholds."""
     with pytest.raises(ValueError, match="induction_rule"):
         StageConfig(induction_rule="both")
     with pytest.raises(ValueError, match="patience"):
@@ -213,6 +221,7 @@ def test_stage_config_validates():
 
 
 def test_classify_p0_rules_directly():
+    """classify_p0 applies each P0 rule as SPEC states it."""
     cfg = StageConfig()
     base = {"sink_rate": 0.4, "sink_profile": [0.4] + [0.0] * 7, "sink_center": 0}
     assert classify_p0({**base, "circuit_layer": 1}, cfg)[0] == "final"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import AttentionStats, StatsProblem
+from .contract import AttentionStats, StatsProblem
 
 
 def attention_stats_reference(problem: StatsProblem) -> AttentionStats:

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from .api import AttentionStats, StatsProblem, empty_outputs
+from .contract import AttentionStats, StatsProblem, empty_outputs
 
 # Logits per block: 2^21 float32 numbers = 8 MiB, three such temporaries live at once.
 DEFAULT_BLOCK_ELEMENTS = 1 << 21
 
 
 def _block_sizes(batch: int, heads: int, queries: int, keys: int, budget: int) -> tuple[int, int]:
-    """(sequences per block, query rows per block) with sequences * heads * rows * keys <= budget."""
+    """(seq_block, row_block): sequences and query rows per block, with
+    seq_block * heads * row_block * keys <= budget (a block spans several sequences only whole)."""
     per_row = heads * keys
-    rows = max(1, min(queries, budget // max(per_row, 1)))
-    seqs = 1 if rows < queries else max(1, min(batch, budget // max(per_row * queries, 1)))
-    return seqs, rows
+    row_block = max(1, min(queries, budget // max(per_row, 1)))
+    seq_block = 1 if row_block < queries else max(1, min(batch, budget // max(per_row * queries, 1)))
+    return seq_block, row_block
 
 
 def attention_stats_torch(problem: StatsProblem, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> AttentionStats:
@@ -34,14 +35,14 @@ def attention_stats_torch(problem: StatsProblem, block_elements: int = DEFAULT_B
     out = empty_outputs(problem)
     positions = problem.query_positions()  # (B, Q)
     key_index = torch.arange(S, device=q.device)
-    seqs, rows = _block_sizes(B, Hq, Q, S, block_elements)
+    seq_block, row_block = _block_sizes(B, Hq, Q, S, block_elements)
 
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
-        for b0 in range(0, B, seqs):
-            b1 = min(B, b0 + seqs)
+        for b0 in range(0, B, seq_block):
+            b1 = min(B, b0 + seq_block)
             nb = b1 - b0
-            for r0 in range(0, Q, rows):
-                r1 = min(Q, r0 + rows)
+            for r0 in range(0, Q, row_block):
+                r1 = min(Q, r0 + row_block)
                 nq = r1 - r0
                 pos = positions[b0:b1, r0:r1]  # (nb, nq)
                 n_keys = int(pos.max()) + 1  # causal crop: no query here sees a later key

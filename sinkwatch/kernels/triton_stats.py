@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .api import AttentionStats, StatsProblem, empty_outputs
+from .contract import AttentionStats, StatsProblem, empty_outputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key. A constexpr:
@@ -169,28 +169,10 @@ def _attention_stats_kernel(
         lo = tl.maximum(lo_pos, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        s, valid = _tile_scores(
-            q,
-            q_rows,
-            q_ok,
-            sq_d,
-            k_base,
-            offs_n,
-            pos,
-            sk_s,
-            sk_d,
-            SEQ,
-            scaling,
-            softcap,
-            window,
-            BLOCK_M,
-            BLOCK_N,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_DK,
-            HAS_WINDOW,
-            HAS_SOFTCAP,
-            CAST_F32,
+        s, valid = _tile_scores(  # by keyword: 21 positional arguments are easy to swap
+            q=q, q_rows=q_rows, q_ok=q_ok, sq_d=sq_d, k_base=k_base, offs_n=offs_n, pos=pos, sk_s=sk_s, sk_d=sk_d,
+            n_keys=SEQ, scaling=scaling, softcap=softcap, window=window, BLOCK_M=BLOCK_M, N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            BLOCK_D=BLOCK_D, BLOCK_DK=BLOCK_DK, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, CAST_F32=CAST_F32,
         )
         s = tl.where(valid, s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -210,28 +192,11 @@ def _attention_stats_kernel(
     # probabilities on keys 0 .. N_FIRST-1
     if BLOCK_F > 0:
         offs_f = tl.arange(0, BLOCK_F)
-        sf, ok = _tile_scores(
-            q,
-            q_rows,
-            q_ok,
-            sq_d,
-            k_base,
-            offs_f,
-            pos,
-            sk_s,
-            sk_d,
-            tl.minimum(SEQ, N_FIRST),
-            scaling,
-            softcap,
-            window,
-            BLOCK_M,
-            BLOCK_F,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_DK,
-            HAS_WINDOW,
-            HAS_SOFTCAP,
-            CAST_F32,
+        sf, ok = _tile_scores(  # by keyword: 21 positional arguments are easy to swap
+            q=q, q_rows=q_rows, q_ok=q_ok, sq_d=sq_d, k_base=k_base, offs_n=offs_f, pos=pos, sk_s=sk_s, sk_d=sk_d,
+            n_keys=tl.minimum(SEQ, N_FIRST), scaling=scaling, softcap=softcap, window=window, BLOCK_M=BLOCK_M,
+            N=BLOCK_F, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_DK=BLOCK_DK, HAS_WINDOW=HAS_WINDOW,
+            HAS_SOFTCAP=HAS_SOFTCAP, CAST_F32=CAST_F32,
         )
         pf = tl.exp(tl.where(ok, sf - lse[:, None], _NEG))  # masked keys: exp(-1e30) = 0, no overflow
         tl.store(first_ptr + out_row[:, None] * N_FIRST + offs_f[None, :], pf, mask=q_ok[:, None] & (offs_f[None, :] < N_FIRST))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..records import best_induction_score
 from .base import Reporter
 
 
@@ -26,7 +27,7 @@ def one_line(record: Mapping[str, Any]) -> str:
     if "n_induction_ge50" in record:
         parts.append(f"ind>=50x {record['n_induction_ge50']} >=30x {record['n_induction_ge30']}")
     if "induction_score" in record:
-        best = max((v for row in record["induction_score"] for v in row if v is not None), default=None)
+        best = best_induction_score(record)
         parts.append(f"prefix {_fmt(best)} icl {_fmt(record.get('icl_score'), '+.2f')}")
     stage = record.get("p0_stage", record.get("p0_stage_now"))
     state = record.get("induction_state", record.get("induction_state_now"))
@@ -62,7 +63,7 @@ def summary(record: Mapping[str, Any]) -> str:
             f"{record['n_induction_ge30']} at >= 30x"
         )
     if "induction_score" in record:
-        best = max((v for row in record["induction_score"] for v in row if v is not None), default=None)
+        best = best_induction_score(record)
         lines.append(f"  prefix matching : best head {_fmt(best)}, ICL score {_fmt(record.get('icl_score'), '+.3f')} nats")
     lines.append(f"  stages (this probe alone): P0 {record.get('p0_stage_now')}, induction {record.get('induction_state_now')}")
     return "\n".join(lines)

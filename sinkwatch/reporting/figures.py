@@ -51,19 +51,6 @@ def record_heatmaps(record: Mapping[str, Any]) -> dict:
     return figs
 
 
-def head_class_rows(record: Mapping[str, Any]) -> list[list]:
-    """Rows [layer, head, best_class, first, induction, previous, duplicate, self, local] of the screen."""
-    sel = record.get("selectivity")
-    best = record.get("best_class")
-    if sel is None or best is None:
-        return []
-    rows = []
-    for l, row in enumerate(best):
-        for h, cls in enumerate(row):
-            rows.append([l, h, cls] + [sel[c][l][h] for c in ("first", "induction", "previous", "duplicate", "self", "local")])
-    return rows
-
-
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110)
     _plt().close(fig)

@@ -19,6 +19,7 @@ import math
 import os
 from typing import Any
 
+from ..records import HEAD_CLASS_COLUMNS, best_induction_score, head_class_rows
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
 
@@ -67,7 +68,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     if record.get("sink_heads_per_layer") is not None:
         put("n_sink_heads", sum(record["sink_heads_per_layer"]))
     if record.get("induction_score") is not None:
-        put("induction_score_max", max((v for row in record["induction_score"] for v in row if v is not None), default=None))
+        put("induction_score_max", best_induction_score(record))
     if isinstance(record.get("induction_target"), dict):
         put("induction_target_top1", record["induction_target"].get("top1"))
     for k, v in enumerate(record.get("sink_profile") or []):
@@ -179,15 +180,14 @@ class WandbReporter(Reporter):
         run.log(data)
 
     def _media(self, record) -> dict:
-        from .figures import close, head_class_rows, record_heatmaps
+        from .figures import close, record_heatmaps
 
         figs = record_heatmaps(record)
         media = {f"sinkwatch/heatmap/{k}": self.wandb.Image(f) for k, f in figs.items()}
         close(figs)
         rows = head_class_rows(record)
         if rows:
-            cols = ["layer", "head", "best_class", "first", "induction", "previous", "duplicate", "self", "local"]
-            media["sinkwatch/head_classes"] = self.wandb.Table(columns=cols, data=rows)
+            media["sinkwatch/head_classes"] = self.wandb.Table(columns=list(HEAD_CLASS_COLUMNS), data=rows)
         return media
 
     def log_event(self, event: dict[str, Any]) -> None:
