@@ -170,7 +170,9 @@ class SinkWatchCallback(Callback):
         trainer = self.trainer
         self.live.tokens_seen = int(trainer.global_train_tokens_seen)
         self.live.step_end(trainer.global_step)
-        if trainer.training_complete:  # the last step: probe now, while its metrics can still be logged
+        # the last step: probe now, while its metrics can still be logged (not ``training_complete``:
+        # that property runs the trainer's cancel check; a hard stop or a cancel ends in post_train)
+        if trainer.max_steps is not None and trainer.global_step >= trainer.max_steps:
             self.live.train_end(trainer.global_step)
 
     def post_train(self) -> None:
