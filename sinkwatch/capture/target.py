@@ -1,0 +1,44 @@
+"""``ProbeTarget``: a model as the monitor sees it, the one interface every capture target implements."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .session import Collector
+
+
+class ProbeTarget:
+    """A model as the monitor sees it: its blocks, vocabulary, context, and a captured forward."""
+
+    module: nn.Module  # everything the probe must leave as found
+    name: str
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks())
+
+    @property
+    def device(self) -> torch.device:
+        """Where the target's parameters live: probe tokens are moved there."""
+        return next(self.module.parameters()).device
+
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def context(self) -> int | None:
+        return None
+
+    @contextlib.contextmanager
+    def capture(self, collector: Collector) -> Iterator[Callable[..., torch.Tensor]]:
+        """Yield ``forward(input_ids, all_logits: bool) -> logits (B, S or 1, V)`` with capture on."""
+        raise NotImplementedError
+        yield

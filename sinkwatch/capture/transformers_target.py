@@ -1,0 +1,215 @@
+"""Capture for transformers models (SPEC §2).
+
+sinkwatch registers an attention implementation named ``sinkwatch`` (and ``sinkwatch_eager`` for
+models that were running eager attention) through ``AttentionInterface``. During a probe it sees
+every layer's post-RoPE ``query`` and un-repeated ``key``, hands them to the session's
+``Collector``, then delegates the real attention output to the implementation the model had before,
+so outputs are unchanged. Forward hooks on the decoder blocks give the residual stream. Outside a
+probe the registered functions just delegate, so they are harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, block_hooks
+from .target import ProbeTarget
+
+SINKWATCH_IMPL = "sinkwatch"  # delegates to sdpa, uses sdpa's mask function
+SINKWATCH_EAGER_IMPL = "sinkwatch_eager"  # delegates to the model's eager attention, eager mask
+SUPPORTED_FAMILIES = ("gpt_neox", "llama", "olmo", "olmoe", "qwen2", "qwen3", "gpt2")
+
+
+def _sdpa_delegate(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _eager_delegate(module, query, key, value, attention_mask, **kwargs):
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} ran eager attention but its module defines no eager_attention_forward; "
+            "load the model with attn_implementation='sdpa' to probe it"
+        )
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _make_impl(delegate: Callable) -> Callable:
+    def sinkwatch_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        session = active_session()
+        if session is None:
+            return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5  # what sdpa does when no scale is passed
+        window = kwargs.get("sliding_window")
+        _check_no_padding(attention_mask, query.shape[2], window)
+        weights = []
+
+        def run():
+            out, w = delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            weights.append(w)
+            return out
+
+        out = session.attend(run, module, query, key, scaling, window, kwargs.get("softcap"))
+        return out, weights[0]
+
+    sinkwatch_attention.__name__ = f"sinkwatch_attention_via_{delegate.__name__.strip('_')}"
+    return sinkwatch_attention
+
+
+_REGISTERED = False
+
+
+def register_attention() -> None:
+    """Register ``sinkwatch`` and ``sinkwatch_eager`` (functions and masks). Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    AttentionInterface.register(SINKWATCH_IMPL, _make_impl(_sdpa_delegate))
+    AttentionInterface.register(SINKWATCH_EAGER_IMPL, _make_impl(_eager_delegate))
+    # Without a mask function for our names, padding would be silently dropped.
+    AttentionMaskInterface.register(SINKWATCH_IMPL, sdpa_mask)
+    AttentionMaskInterface.register(SINKWATCH_EAGER_IMPL, eager_mask)
+    _REGISTERED = True
+
+
+def _check_no_padding(mask, seq_len: int, window: int | None) -> None:
+    """Statistics assume unpadded causal rows; the last query row reveals any padded key cheaply."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return
+    last = mask[:, :, -1, :]  # (B, 1, S_k)
+    allowed = last if last.dtype == torch.bool else last == 0
+    keys = torch.arange(allowed.shape[-1], device=allowed.device)
+    expected = keys <= seq_len - 1
+    if window is not None:
+        expected &= (seq_len - 1 - keys) < window
+    if not torch.equal(allowed, expected.expand_as(allowed)):
+        raise ValueError(
+            "the probe batch is padded or carries a custom attention mask; sinkwatch probes use unpadded, fixed-length sequences"
+        )
+
+
+def find_transformers_model(obj) -> nn.Module:
+    """The transformers ``PreTrainedModel`` inside ``obj``.
+
+    Unwraps DDP/FSDP (``.module``), ``torch.compile`` (``._orig_mod``), PEFT (``get_base_model()``)
+    and searches a LightningModule's (or any module's) children for the first model.
+    """
+    from transformers import PreTrainedModel
+
+    seen = set()
+    todo = [obj]
+    while todo:
+        m = todo.pop(0)
+        if id(m) in seen or m is None:
+            continue
+        seen.add(id(m))
+        if isinstance(m, PreTrainedModel):
+            return m
+        for attr in ("_orig_mod", "module", "base_model", "model"):
+            inner = getattr(m, attr, None)
+            if isinstance(inner, nn.Module):
+                todo.append(inner)
+        if hasattr(m, "get_base_model") and callable(m.get_base_model):
+            with contextlib.suppress(Exception):
+                todo.append(m.get_base_model())
+        if isinstance(m, nn.Module):
+            todo.extend(m.children())
+    raise UnsupportedModelError(
+        f"no transformers PreTrainedModel found inside {type(obj).__name__}; sinkwatch probes models that route "
+        "attention through transformers' AttentionInterface, or custom models wrapped in sinkwatch.CustomTarget "
+        "whose attention calls sinkwatch.attend (see docs/live.md)"
+    )
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder blocks (``model.layers``, ``gpt_neox.layers``, ``transformer.h``...)."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    base = getattr(model, "base_model", model)
+    candidates = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not candidates:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: could not find its {n} decoder blocks (a ModuleList of length config.num_hidden_layers)"
+        )
+    return candidates[0]
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ``UnsupportedModelError`` naming the class when the model bypasses AttentionInterface."""
+    if not hasattr(type(model), "_can_set_attn_implementation") or not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+            "(its attention module never calls ALL_ATTENTION_FUNCTIONS.get_interface), so sinkwatch cannot see "
+            "its queries and keys. Supported and tested: " + ", ".join(SUPPORTED_FAMILIES) + "; other decoders work "
+            "when their attention goes through AttentionInterface; custom models can call sinkwatch.attend."
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; sinkwatch probes causal decoders")
+
+
+class HFTarget(ProbeTarget):
+    """A transformers causal LM."""
+
+    def __init__(self, model: nn.Module):
+        check_supported(model)
+        self.model = self.module = model
+        self.name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._blocks = decoder_blocks(model)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def blocks(self) -> nn.ModuleList:
+        return self._blocks
+
+    @property
+    def vocab_size(self) -> int:
+        emb = self.model.get_input_embeddings()
+        return int(getattr(emb, "num_embeddings", None) or self.model.config.vocab_size)
+
+    @property
+    def context(self) -> int | None:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None  # OLMo-core's HF converter writes -1: unknown
+
+    @contextlib.contextmanager
+    def capture(self, collector: Collector):
+        register_attention()
+        model = self.model
+        previous = model.config._attn_implementation
+        impl = SINKWATCH_EAGER_IMPL if previous == "eager" else SINKWATCH_IMPL
+        session = CaptureSession(collector, self.n_layers, type(model).__name__)
+        handles = []
+
+        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+            kw = {"use_cache": False}
+            if not all_logits and self._keeps_logits:
+                kw["logits_to_keep"] = 1
+            session.begin()
+            out = self.model(input_ids=input_ids, **kw)
+            session.end()
+            return out.logits
+
+        try:
+            with activate(session):
+                handles = block_hooks(self._blocks, collector)
+                model.set_attn_implementation(impl)
+                if model.config._attn_implementation != impl:
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__} refused attn_implementation={impl!r}; it does not use AttentionInterface"
+                    )
+                yield forward
+        finally:
+            for h in handles:
+                h.remove()
+            if model.config._attn_implementation != previous:
+                model.set_attn_implementation(previous)
