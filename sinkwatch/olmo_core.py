@@ -168,7 +168,9 @@ class SinkWatchCallback(Callback):
         if self.live is None:
             return
         trainer = self.trainer
-        self.live.tokens_seen = int(trainer.global_train_tokens_seen)
+        # the trainer's own count, all ranks together (restored on resume); through count_tokens_total so
+        # the monitor knows tokens were counted (a bare assignment left every record's tokens null)
+        self.live.count_tokens_total(int(trainer.global_train_tokens_seen))
         self.live.step_end(trainer.global_step)
         # the last step: probe now, while its metrics can still be logged (not ``training_complete``:
         # that property runs the trainer's cancel check; a hard stop or a cancel ends in post_train)
@@ -178,7 +180,7 @@ class SinkWatchCallback(Callback):
     def post_train(self) -> None:
         if self.live is None:
             return
-        self.live.tokens_seen = int(self.trainer.global_train_tokens_seen)
+        self.live.count_tokens_total(int(self.trainer.global_train_tokens_seen))
         self.live.train_end(self.trainer.global_step)
         self._finish()
 
