@@ -107,7 +107,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             self._hook.remove()
         self._hook = model.register_forward_pre_hook(self._read_batch, with_kwargs=True)
         saved = self.sinkwatch_state or _saved_state(state, type(self).__name__)
-        if saved is not None and saved.get("last_probed_step") is not None:  # not the fresh state TrainerState collects at init
+        # a resumed run (global_step > 0) or transformers' own restore: the checkpoint's state, even one saved
+        # before the first probe (its token count and natural probe); never the fresh state TrainerState collects at init
+        if saved is not None and (self.sinkwatch_state is not None or state.global_step > 0):
             self.live.load_state_dict(saved)
         if state.global_step == 0:
             # the natural probe is part of every record, step 0 included: probe once the first batch is read

@@ -126,3 +126,22 @@ def test_resume_from_checkpoint(tmp_path, restore_flag):
     assert len({r["probe_hash"] for r in records}) == 1
     assert len(read_jsonl(out / "events.jsonl")) == 1
     assert [r["step"] for r in read_jsonl(out / "records.superseded.jsonl")] == [15, 20]
+
+
+def test_resume_from_a_checkpoint_saved_before_the_first_probe(tmp_path):
+    """A checkpoint older than the first probe still carries the token count: the resumed run's record
+    counts every step's tokens, and the preempted run's later record is superseded, not repeated."""
+    out = tmp_path / "sw"
+    kw = dict(out_dir=str(out), every_n_steps=4, probe_at_start=False, probes=SMALL, wandb="disabled", console=False)
+
+    def run(resume=None):
+        a = args(tmp_path, max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2)
+        Trainer(model=build("llama", seed=3), args=a, train_dataset=CopyDataset(), callbacks=[SinkWatchTrainerCallback(**kw)]).train(
+            resume_from_checkpoint=resume
+        )
+
+    run()  # stands for a run preempted after its step-4 probe; checkpoint-2 predates every probe
+    assert [(r["step"], r["tokens"]) for r in read_jsonl(out / "records.jsonl")] == [(4, 4 * 2 * 64)]
+    run(resume=str(tmp_path / "out" / "checkpoint-2"))
+    assert [(r["step"], r["tokens"]) for r in read_jsonl(out / "records.jsonl")] == [(4, 4 * 2 * 64)]
+    assert [r["step"] for r in read_jsonl(out / "records.superseded.jsonl")] == [4]

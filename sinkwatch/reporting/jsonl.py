@@ -66,7 +66,8 @@ class JSONLReporter(Reporter):
         append_jsonl(self.records, {"step": step, "error": message})
 
     def rewind(self, last_step: int | None) -> int:
-        """On resume: move lines after ``last_step`` (a rolled-back timeline) to ``*.superseded.jsonl``.
+        """On resume: move lines after ``last_step`` (a rolled-back timeline) to ``*.superseded.jsonl``;
+        ``last_step`` None (the checkpoint predates the first probe): every line with a step.
 
         Nothing is deleted; returns how many lines were moved.
         """
@@ -75,7 +76,7 @@ class JSONLReporter(Reporter):
             keep, later = [], []
             for r in read_jsonl(path):
                 step = r.get("step")
-                (later if step is not None and last_step is not None and step > last_step else keep).append(r)
+                (later if step is not None and (last_step is None or step > last_step) else keep).append(r)
             if not later:
                 continue
             superseded = path.with_name(path.stem + ".superseded.jsonl")
