@@ -145,3 +145,47 @@ def test_resume_from_a_checkpoint_saved_before_the_first_probe(tmp_path):
     run(resume=str(tmp_path / "out" / "checkpoint-2"))
     assert [(r["step"], r["tokens"]) for r in read_jsonl(out / "records.jsonl")] == [(4, 4 * 2 * 64)]
     assert [r["step"] for r in read_jsonl(out / "records.superseded.jsonl")] == [4]
+
+
+def test_resume_with_changed_probes_restored_by_transformers_starts_a_new_segment(tmp_path):
+    """restore_callback_states_from_checkpoint rebuilds the callback from JSON: the resumed run still uses the
+    callback the user built (new probes), keeps the earlier records and marks a new config_hash segment."""
+    out = tmp_path / "sw"
+    common = dict(out_dir=str(out), every_n_steps=2, wandb="disabled", console=False)
+
+    def run(probes, resume=None):
+        a = args(tmp_path, max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2)
+        a.restore_callback_states_from_checkpoint = True
+        cb = SinkWatchTrainerCallback(probes=probes, **common)
+        Trainer(model=build("llama", seed=3), args=a, train_dataset=CopyDataset(), callbacks=[cb]).train(resume_from_checkpoint=resume)
+
+    run([InductionProbe(n=8, seq_len=64)])
+    first = read_jsonl(out / "records.jsonl")
+    with pytest.warns(RuntimeWarning, match="new segment at step 2"):
+        run([InductionProbe(n=12, seq_len=64)], resume=str(tmp_path / "out" / "checkpoint-2"))
+    records = read_jsonl(out / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 4] and records[:2] == first[:2]
+    assert records[0]["config_hash"] == records[1]["config_hash"] != records[2]["config_hash"]
+    assert [r["tracker_since_step"] for r in records] == [0, 0, 2]
+
+
+def test_the_deferred_step0_probe_is_invisible_to_training(tmp_path):
+    """With the default probes the step-0 probe runs in on_pre_optimizer_step of the first step (gradients
+    accumulated over two micro-batches, not yet applied): losses and weights stay bit-identical."""
+
+    def run(sub, cbs):
+        model = build("llama", seed=3)
+        a = args(tmp_path / sub, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        t = Trainer(model=model, args=a, train_dataset=CopyDataset(), callbacks=cbs)
+        t.train()
+        return [h["loss"] for h in t.state.log_history if "loss" in h], {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    cb = SinkWatchTrainerCallback(every_n_steps=2, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    la, pa = run("a", [])
+    lb, pb = run("b", [cb])
+    assert la == lb and len(la) == 3
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [(r["step"], r["probe"]) for r in records] == [(s, "natural+induction+repeated") for s in (0, 2, 3)]
+    assert cb._hook is None  # the batch pre-hook is removed at train end
