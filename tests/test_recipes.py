@@ -26,6 +26,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.py"))
 NEEDS = {
     "hf_trainer_pretrain": {"transformers", "accelerate", "torch"},
     "lightning_pretrain": {"lightning", "transformers", "torch"},
+    "olmo_core_pretrain": {"ai2-olmo-core", "torch"},
 }
 
 
@@ -57,6 +58,7 @@ def readme_environment() -> set[str]:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_runs_with_the_readme_install(recipe, tmp_path):
+    """Each recipe trains two steps from the README install and records the first and the last."""
     missing = sorted(NEEDS[recipe.stem] - readme_environment())
     assert not missing, f"{recipe.name} needs {missing}, which pip install -e '.[all]' does not install"
     argv = ["--steps", "2", "--batch-size", "4", "--wandb", "disabled", "--out", str(tmp_path / "run")]
@@ -64,4 +66,5 @@ def test_recipe_runs_with_the_readme_install(recipe, tmp_path):
     res = subprocess.run([sys.executable, str(recipe), *argv], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records][-1] == 2
+    steps = [r["step"] for r in records]
+    assert steps[0] == 0 and steps[-1] == 2, steps  # the initial model and the last step
