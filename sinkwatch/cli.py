@@ -84,7 +84,7 @@ def cmd_probe(args) -> int:
 
 def cmd_replay(args) -> int:
     from .monitor import MonitorConfig
-    from .replay import Recipe, is_recipe, load_recipe, parse_shard, replay
+    from .replay import Recipe, is_recipe, load_recipe, parse_shard, read_ablation, replay
     from .reporting.wandb_run import wandb_mode_from_env
 
     if is_recipe(args.target):
@@ -113,6 +113,8 @@ def cmd_replay(args) -> int:
         wandb=wandb_mode_from_env(args.wandb),
         progress=not args.no_progress,
         protocol=args.protocol,
+        ablate=args.ablate,
+        ablation_revision=args.ablation_revision,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
@@ -120,6 +122,10 @@ def cmd_replay(args) -> int:
         f"replayed {ok} revision(s) into {out}"
         + (f"; {len(failed)} failed (recorded; rerun to retry): " + ", ".join(r["revision"] for r in failed) if failed else "")
     )
+    ablation = read_ablation(out)
+    if ablation is not None:
+        state = "done" if ablation.get("status") == "ok" else f"failed ({ablation.get('error')}; rerun to retry)"
+        print(f"group ablation at {ablation.get('revision')}: {state} -> {Path(out) / 'ablation.json'}")
     print(f"next: sinkwatch report {out}")
     return 0 if not failed else 1
 
@@ -194,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="paper: Xu 2026's exact precision choices (eager float16 attention for float16 models, PR on the first 500 "
         "sequences in float16); sinkwatch: float32 statistics, PR on every sequence (default: the recipe's; packaged recipes: paper)",
     )
+    r.add_argument(
+        "--ablate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="group ablation of the >= 50x induction circuit at the ablation revision, into DIR/ablation.json "
+        "(default: on under protocol paper when the recipe names an ablation revision, as the packaged recipes do)",
+    )
+    r.add_argument("--ablation-revision", default=None, help="where to ablate (default: the recipe's; else the last revision)")
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")

@@ -211,12 +211,23 @@ class Monitor:
         return values, n_heads
 
     # ---- group ablation ----
-    def ablate(self, model: nn.Module | ProbeTarget, heads: Iterable[str | tuple[int, int]], *, seed: int = 123) -> dict:
+    def ablate(
+        self,
+        model: nn.Module | ProbeTarget,
+        heads: Iterable[str | tuple[int, int]],
+        *,
+        seed: int = 123,
+        control: Iterable[str | tuple[int, int]] | None = None,
+    ) -> dict:
         """Group ablation on the induction probe (SPEC §5).
 
         Zeroes the given heads' slices before the output projection and scores the target B at the
         query row (valid sequences): loss, top-1, top-5 for ``baseline``, ``ablated`` and a matched
         random ``control`` (same number of heads per layer, disjoint, RandomState(seed)).
+
+        ``control``: an explicit control set instead of the draw — the paper's sweep draws its controls
+        from one shared stream (``metrics.paper_control_sets``), which one call cannot know; it must
+        exist and be disjoint from ``heads``.
         """
         target = resolve_target(model)
         probe = next((s for s in self.probe_sets(target.vocab_size) if s.kind == "induction"), None)
@@ -228,8 +239,17 @@ class Monitor:
         for l, h in pairs:
             if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
-        short = "min" if self.config.protocol == "paper" else "raise"
-        control = metrics.matched_random_heads(pairs, H, seed=seed, short_layer=short)
+        if control is None:
+            short = "min" if self.config.protocol == "paper" else "raise"
+            control = metrics.matched_random_heads(pairs, H, seed=seed, short_layer=short)
+        else:
+            control = sorted({_parse_head(h) for h in control})
+            for l, h in control:
+                if not (0 <= l < L and 0 <= h < H):
+                    raise ValueError(f"control head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
+            shared = sorted(set(control) & set(pairs))
+            if shared:
+                raise ValueError(f"the control must be disjoint from the ablated set; both hold {[f'L{l}H{h}' for l, h in shared]}")
         valid = torch.as_tensor(probe.fields["valid"].astype(bool))
         targets = torch.as_tensor(probe.fields["token_b"])
         result = {"heads": [f"L{l}H{h}" for l, h in sorted(set(pairs))], "control_heads": [f"L{l}H{h}" for l, h in control]}

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import findings as F
 from .records import best_induction_score
-from .replay import failed_revisions, merged_records
+from .replay import failed_revisions, merged_records, read_ablation
 from .reporting.figures import _plt, record_heatmaps, save
 from .reporting.jsonl import read_jsonl
 from .stages import INDUCTION_STATES, P0_STAGES
@@ -41,6 +41,7 @@ class Store:
         self.protocols = sorted({r.get("protocol", "sinkwatch") for r in self.records})
         self.protocol = self.protocols[0] if len(self.protocols) == 1 else "mixed: " + ", ".join(self.protocols)
         self.has_tokens = all(r.get("tokens") is not None for r in self.records)
+        self.ablation = read_ablation(self.path)  # DIR/ablation.json: the group ablation, when the replay ran it
 
     def x(self) -> list[float]:
         """Tokens seen (the step when tokens are unknown: ``has_tokens`` says which)."""
@@ -422,6 +423,71 @@ def _pr_lead_lines(ours: dict, s: Store, reference: dict) -> list[str]:
     return lines
 
 
+# ---- group ablation ----------------------------------------------------------------------------------------
+def _head_key(name: str) -> tuple[int, int]:
+    layer, head = name[1:].split("H")
+    return int(layer), int(head)
+
+
+def _named_difference(ours: Sequence[str], paper: Sequence[str]) -> str:
+    """`same`, or the heads only one side has, named."""
+    a, b = set(ours), set(paper)
+    if a == b:
+        return "same"
+    parts = []
+    if a - b:
+        parts.append("only ours: " + ", ".join(sorted(a - b, key=_head_key)))
+    if b - a:
+        parts.append("only the paper's: " + ", ".join(sorted(b - a, key=_head_key)))
+    return "; ".join(parts)
+
+
+def _ablation_lines(s: Store, reference: dict) -> list[str]:
+    """Our group ablation (``ablation.json``) beside the paper's: top-1 of baseline, circuit and
+    matched random, and the two head sets with their differences named."""
+    a = s.ablation
+    if a is None:
+        return []
+    lines = [f"### Group ablation: {s.label}", ""]
+    if a.get("status") != "ok":
+        return lines + [f"The ablation at `{a.get('revision')}` failed ({a.get('error')}); rerun the replay to retry.", ""]
+    lines += [
+        f"Ours: the >= {a['threshold']:g}x induction set of `{a['revision']}` ({a['screen']}), ablated in {a['dtype']} "
+        f"under the {a['protocol']} protocol; control: {a['control_rule']}. Top-1 of the target B over the valid probe sequences.",
+        "",
+    ]
+    if a.get("note"):
+        lines += [f"Note: {a['note']}.", ""]
+    paper = (reference["models"].get(s.reference_key) or {}) if s.reference_key else {}
+    pub = paper.get("ablation_top1")
+    if not pub:
+        lines += ["| | top-1 | heads |", "|---|---|---|"]
+        lines.append(f"| baseline | {_fmt(a['baseline']['top1'])} | |")
+        lines.append(f"| circuit ablated | {_fmt(a['ablated']['top1'])} | {', '.join(a['heads']) or 'none'} |")
+        lines.append(f"| matched random | {_fmt(a['control']['top1'])} | {', '.join(a['control_heads']) or 'none'} |")
+        return lines + [""]
+    if a["protocol"] != "paper":
+        lines += [f"Ours: {PROTOCOL_NOTE['sinkwatch']}; its control is not the paper's draw either.", ""]
+    paper_circuit = list(paper.get("induction_circuit_ge50") or [])
+    paper_control = [f"L{l}H{h}" for l, hs in (pub.get("matched_random_heads") or {}).items() for h in hs]
+    lines += [
+        f"Paper (Xu 2026): `{pub.get('revision')}`, {pub.get('dtype')}, {pub.get('n_examples')} sequences ({pub.get('source')}).",
+        "",
+        "| | ours: top-1 | paper: top-1 | ours: heads | paper: heads | heads differ |",
+        "|---|---|---|---|---|---|",
+        f"| baseline | {_fmt(a['baseline']['top1'])} | {_fmt(pub.get('baseline'))} | | | |",
+    ]
+    for label, ours_key, pub_key, ours_heads, paper_heads in (
+        ("circuit ablated", "ablated", "circuit_ablated", a["heads"], paper_circuit),
+        ("matched random", "control", "matched_random", a["control_heads"], paper_control),
+    ):
+        lines.append(
+            f"| {label} | {_fmt(a[ours_key]['top1'])} | {_fmt(pub.get(pub_key))} | {', '.join(ours_heads) or 'none'} | "
+            f"{', '.join(sorted(paper_heads, key=_head_key)) or 'none'} | {_named_difference(ours_heads, paper_heads)} |"
+        )
+    return lines + [""]
+
+
 # ---- head by head ---------------------------------------------------------------------------------------
 def head_comparisons(s: Store, per_head: dict | None) -> list[dict]:
     if not s.reference_key:
@@ -545,6 +611,7 @@ def build_report(
             md += ["Stage events (the live tracker's rules, docs/stages.md):", ""]
             md += [f"- {e['message']} (evidence: {e.get('evidence')})" for e in s.events] + [""]
         md += _findings_section(s, reference)
+        md += _ablation_lines(s, reference)
         comps = head_comparisons(s, per_head)
         md += _head_comparison_lines(s, comps, figure_head_comparison(s, comps, out, i))
     if heatmaps:

@@ -120,3 +120,32 @@ def test_screen_sets_are_inclusive():
     sel = np.array([[50.0, 49.99], [2.0, 100.0]])
     s = M.screen_sets(sel)
     assert s[50.0] == [(0, 0), (1, 1)] and s[2.0] == [(0, 0), (0, 1), (1, 0), (1, 1)] and s[100.0] == [(1, 1)]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_replay_ablation_takes_the_fourth_draw_of_the_sweep(model):
+    """The replay's ablation (replay.paper_ablation_sets) ablates the >= 50x screen set against the
+    fourth draw of the shared stream: equal to metrics.paper_control_sets, and for Pythia (whose
+    >= 50x row the paper released) to the published control {L4H0, L7H6, L7H7}."""
+    from sinkwatch.replay import paper_ablation_sets
+
+    screens, published, n_heads = published_sweep(model)
+    n_layers = 1 + max(l for heads in screens.values() for l, _ in heads)
+    sel = np.zeros((n_layers, n_heads))  # a screen table whose sweep sets are the published ones
+    for t, heads in screens.items():
+        for l, h in heads:
+            sel[l, h] = max(sel[l, h], t)
+    assert {t: sorted(v) for t, v in M.screen_sets(sel).items()} == screens
+    heads, control = paper_ablation_sets(sel, n_heads)
+    assert sorted(heads) == screens[50.0]
+    fourth = M.paper_control_sets(screens, n_heads)[50.0]
+    assert control == fourth
+    assert control != M.matched_random_heads(heads, n_heads, short_layer="min")  # not a fresh RandomState(123)
+    if 50.0 in published:
+        assert sorted(control) == published[50.0]
+    ref = json.loads(resources.files("sinkwatch.data").joinpath("xu2026_developmental.json").read_text())["models"][model]
+    published_control = sorted((int(l), h) for l, hs in ref["ablation_top1"]["matched_random_heads"].items() for h in hs)
+    if model == MODELS[0]:
+        assert sorted(control) == published_control == [(4, 0), (7, 6), (7, 7)]
+    else:  # the packaged OLMo/OLMoE figures are the >= 30x rows: the same heads, the third draw (docs/replay.md)
+        assert sorted(control) != published_control and published_control == sorted(M.paper_control_sets(screens, n_heads)[30.0])

@@ -68,3 +68,18 @@ def test_paper_ablation_control_draws_min_picks_eligible_in_a_short_layer():
         Monitor(probe).ablate(model, heads)
     res = Monitor(probe, config=MonitorConfig(protocol="paper")).ablate(model, heads)
     assert res["control_heads"] == ["L0H3"] and res["heads"] == heads
+
+
+def test_an_explicit_ablation_control_is_used_as_given_and_must_be_disjoint():
+    """Monitor.ablate(control=...) scores exactly that set (equal to ablating it as the set itself);
+    a control that overlaps the set or names a missing head is refused."""
+    model = build("llama", seed=3).eval()
+    mon = Monitor([InductionProbe(n=8, seq_len=64)], config=MonitorConfig(protocol="paper"))
+    res = mon.ablate(model, ["L0H0", "L1H2"], control=[(1, 3), "L0H1"])
+    assert res["control_heads"] == ["L0H1", "L1H3"] and res["heads"] == ["L0H0", "L1H2"]
+    assert res["control"] == mon.ablate(model, ["L0H1", "L1H3"])["ablated"]
+    assert res["control"] != mon.ablate(model, ["L0H0", "L1H2"])["control"]  # not the call's own draw
+    with pytest.raises(ValueError, match="disjoint"):
+        mon.ablate(model, ["L0H0"], control=["L0H0"])
+    with pytest.raises(ValueError, match="control head L7H0 does not exist"):
+        mon.ablate(model, ["L0H0"], control=["L7H0"])

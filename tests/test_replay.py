@@ -14,17 +14,19 @@ from sinkwatch import metrics as M
 from sinkwatch.cli import main
 from sinkwatch.replay import (
     StoreMismatchError,
+    check_ablation,
     list_revisions,
     load_recipe,
     merged_records,
     packaged_recipes,
+    read_ablation,
     replay,
     revision_step,
     revision_tokens,
     select_log_spaced,
     training_order,
 )
-from sinkwatch.report import build_report
+from sinkwatch.report import _fmt, build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
 PROBES = [InductionProbe(n=24, seq_len=128), RepeatedRandomProbe(n=8, seq_len=64)]
@@ -313,3 +315,80 @@ def test_report_of_a_replay_without_tokens_labels_steps_and_says_what_does_not_a
     labels = [t for t in ax.get_xticks()]
     assert len(labels) <= 8
     _plt().close(fig)
+
+
+# ---- the paper's group ablation, run by replay (issue 13, SPEC §5) -------------------------------------------
+def _names(pairs):
+    return [f"L{l}H{h}" for l, h in pairs]
+
+
+def test_a_paper_replay_runs_the_group_ablation_with_the_fourth_control_draw_and_resumes(cache, tmp_path, monkeypatch):
+    """The fixture model is trained until induction forms, so its final >= 50x set is non-empty with
+    the paper's own threshold (no test-only threshold)."""
+    repo, _ = cache
+    probes = [InductionProbe(n=24, seq_len=128)]
+    rows = run_with(cache, tmp_path, probes, revisions=["step600", "step1300"], protocol="paper", ablate=True, ablation_revision="step1300")
+    a = read_ablation(tmp_path)
+    rec = next(r for r in rows if r["revision"] == "step1300")
+    sel = np.asarray(rec["selectivity"]["induction"], dtype=float)
+    expected = _names(zip(*np.nonzero(sel >= 50)))
+    assert expected, "the trained fixture has no >= 50x induction head: the test would not exercise the ablation"
+    assert a["status"] == "ok" and a["kind"] == "ablation" and a["dtype"] == "float16" and a["protocol"] == "paper"
+    assert a["screen"] == "record" and a["revision"] == "step1300" and a["heads"] == expected
+    fourth = M.paper_control_sets(M.screen_sets(sel), rec["n_heads"])[50.0]
+    assert a["control_heads"] == _names(fourth)
+    assert a["ablated"]["top1"] < a["baseline"]["top1"]  # the induction circuit carries the copy
+    # the per-revision records are untouched: no ablation row, every record keeps its replay key
+    records = read_jsonl(tmp_path / "records.jsonl")
+    assert len(records) == 2 and all("replay_key" in r and r.get("kind") != "ablation" for r in records)
+    # resumable: a rerun neither re-probes a revision nor redoes the ablation
+    before = (tmp_path / "ablation.json").read_text()
+
+    def no_second_ablation(*args, **kw):
+        raise AssertionError("the ablation was redone")
+
+    monkeypatch.setattr(sinkwatch.monitor.Monitor, "ablate", no_second_ablation)
+    assert (
+        run_with(cache, tmp_path, probes, revisions=["step600", "step1300"], protocol="paper", ablation_revision="step1300", ablate=True)
+        == []
+    )
+    assert (tmp_path / "ablation.json").read_text() == before
+    with pytest.raises(StoreMismatchError, match="ablation revision: step1300 -> step900"):
+        check_ablation(tmp_path, {**a["ablation_key"], "revision": "step900"})
+    # the report: ours beside the paper's figures, head-set differences named
+    reference, per_head = planted_reference(merged_records(tmp_path), repo)
+    paper_circuit = expected[:-1] + ["L0H0"] if "L0H0" not in expected else expected[:-1]
+    reference["models"][repo]["induction_circuit_ge50"] = paper_circuit
+    reference["models"][repo]["ablation_top1"] = {
+        "baseline": 0.5,
+        "circuit_ablated": 0.125,
+        "matched_random": 0.375,
+        "matched_random_heads": {str(l): [h] for l, h in fourth[:1]},
+        "revision": "step1300",
+        "dtype": "float16",
+        "n_examples": 24,
+        "source": "planted for the test",
+    }
+    md = build_report([tmp_path], tmp_path / "rep", reference=reference, per_head=per_head).read_text()
+    section = md[md.index("### Group ablation") :]
+    line = next(x for x in section.splitlines() if x.startswith("| circuit ablated |"))
+    assert f"only ours: {expected[-1]}" in line and ("only the paper's: L0H0" in line or "L0H0" in expected)
+    assert "| 0.125 |" in line
+    base = next(x for x in section.splitlines() if x.startswith("| baseline |"))
+    assert f"| {_fmt(a['baseline']['top1'])} | 0.5 |" in base
+    control = next(x for x in section.splitlines() if x.startswith("| matched random |"))
+    assert (len(fourth) == 1 and "| same |" in control) or "only ours: " + ", ".join(_names(fourth[1:])) in control
+
+
+def test_an_ablation_revision_outside_the_replay_is_screened_there(cache, tmp_path):
+    """An ablation revision the replay did not probe (the paper's OLMo/OLMoE `main`) gets its own
+    screen, equal to a replay record of that revision, and kept in ablation.json."""
+    probes = [InductionProbe(n=24, seq_len=128)]
+    run_with(cache, tmp_path / "a", probes, revisions=["step1300"], protocol="paper", ablate=True, ablation_revision="step900")
+    a = read_ablation(tmp_path / "a")
+    assert a["status"] == "ok" and a["screen"] == "probed for the ablation" and a["revision"] == "step900"
+    rec = run_with(cache, tmp_path / "b", probes, revisions=["step900"], protocol="paper", ablate=False)[0]
+    assert a["screen_induction"] == rec["selectivity"]["induction"]
+    sel = np.asarray(rec["selectivity"]["induction"], dtype=float)
+    assert a["heads"] == _names(zip(*np.nonzero(sel >= 50)))
+    assert not (tmp_path / "b" / "ablation.json").exists()  # --no-ablate
