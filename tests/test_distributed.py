@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torchrun import torchrun
 from transformers import GPT2LMHeadModel
 
 from sinkwatch import Monitor
@@ -23,28 +24,10 @@ from sinkwatch.reporting.jsonl import read_jsonl
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LAUNCH = {
     "ddp": lambda out: [sys.executable, str(HERE / "ddp_lightning.py"), out],  # Lightning spawns rank 1
     "fsdp2": lambda out: [sys.executable, str(HERE / "fsdp2_lightning.py"), out],
-    "ddp_hf": lambda out: [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(HERE / "ddp_hf.py"),
-        out,
-    ],
+    "ddp_hf": lambda out: torchrun(HERE / "ddp_hf.py", out),
 }
 
 
@@ -99,8 +82,8 @@ def test_fsdp_v1_probe_gathers_through_the_root_wrapper(tmp_path):
     from ddp_lightning import PROBES
 
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    res = subprocess.run([*cmd, str(HERE / "fsdp1_probe.py"), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    cmd = torchrun(HERE / "fsdp1_probe.py", str(tmp_path))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
     assert [r["step"] for r in records] == [0, 1], res.stderr[-3000:]  # written once, by rank 0; no probe failed

@@ -6,7 +6,6 @@ rank 0 alone writes the records, and the parallelisms sinkwatch cannot probe are
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,34 +13,17 @@ import torch
 
 pytest.importorskip("olmo_core")
 
+from torchrun import torchrun  # noqa: E402
+
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("olmo_fsdp")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(HERE / "olmo_core_dist.py"),
-        str(out),
-        "fsdp",
-    ]
+    cmd = torchrun(HERE / "olmo_core_dist.py", str(out), "fsdp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
