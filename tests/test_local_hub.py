@@ -51,3 +51,13 @@ def test_injected_503_on_the_download_fails_it_once(hub, tmp_path):
     with pytest.raises(HfHubHTTPError):
         hh.hf_hub_download("org/tiny", "model.safetensors", revision="main", cache_dir=tmp_path)
     assert open(hh.hf_hub_download("org/tiny", "model.safetensors", revision="main", cache_dir=tmp_path), "rb").read() == WEIGHTS + b"x"
+
+
+def test_remote_files_reads_sizes_and_hashes_without_downloading(hub):
+    """sinkwatch.replay.hub.remote_files: every file's size and the weights' sha256, from metadata only."""
+    from sinkwatch.replay.hub import remote_files
+
+    files = {f.path: f for f in remote_files("org/tiny", hub.commit_of("org/tiny", "step100"))}
+    assert files["model.safetensors"].sha256 == hashlib.sha256(WEIGHTS).hexdigest() and files["model.safetensors"].is_weights
+    assert files["model.safetensors"].size == len(WEIGHTS) and files["config.json"].sha256 is None and not files["config.json"].is_weights
+    assert hub.downloads() == []
