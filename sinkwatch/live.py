@@ -448,12 +448,14 @@ class LiveMonitor:
         """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per
         kind of fault, training goes on (``raise_on_error``: every rank raises)."""
         local = None if error is None or isinstance(error, PeerFailed) else f"{type(error).__name__}: {error}"
-        faults = self.group.gather(local)  # every rank's own fault, in rank order (None: none here)
+        faults = self.group.gather((local, self.config_hash))  # every rank's own fault (None: none here) and config hash
         if self.group.size == 1:
             msg = local or "the probe failed"
         else:
-            named = [f"rank {r}: {m}" for r, m in enumerate(faults) if m is not None]
-            msg = "; ".join(named) if named else "the ranks disagreed on the probe sets (config_hash differs between ranks)"
+            named = [f"rank {r}: {m}" for r, (m, _) in enumerate(faults) if m is not None]
+            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(faults))
+            differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
+            msg = "; ".join(named) if named else differ
             msg = f"{msg} (every rank skipped this probe; no rank wrote it)"
         if self.config.raise_on_error:
             if error is not None and not isinstance(error, PeerFailed):

@@ -434,12 +434,18 @@ def faults_held(cell: Path) -> None:
 
 
 def inputs_differ(cell: Path) -> None:
-    """Rank 1's probe set cannot be built (ids outside the vocabulary): before any forward."""
+    """Rank 1's probe set cannot be built (ids outside the vocabulary: before any forward); then, in a
+    second run, rank 1's probe set is valid but not rank 0's (the agreed config hashes differ)."""
     from sinkwatch import ProbeSet
 
+    def natural(seed: int, high: int = VOCAB) -> ProbeSet:
+        return ProbeSet("natural", torch.randint(1, high, (2, 16), generator=torch.Generator().manual_seed(seed)), {}, {})
+
     bad = ProbeSet("natural", torch.full((2, 16), 10_000), {}, {})
-    good = ProbeSet("natural", torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)), {}, {})
-    _fsdp2_loop(cell, steps=2, live_options={**options(cell), "probes": [bad if _rank() == 1 else good]})
+    for name, rank1 in (("unbuildable", bad), ("different", natural(1))):
+        sub = cell / name
+        sub.mkdir(exist_ok=True)
+        _fsdp2_loop(sub, steps=2, live_options={**options(sub), "probes": [rank1 if _rank() == 1 else natural(0)]})
 
 
 def fault_in_model_forward(cell: Path) -> None:
