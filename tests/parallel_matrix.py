@@ -37,6 +37,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sinkwatch.reporting.base import Reporter  # noqa: E402
+
 CELL_TIMEOUT_S = 150  # one cell, every rank: past this the watchdog dumps the stacks and exits
 VOCAB, BOS, PAD = 64, 0, 0
 STEPS, EVERY = 4, 2  # probes at 0, 2, 4
@@ -135,13 +137,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _reporter_base():
-    from sinkwatch.reporting.base import Reporter
-
-    return Reporter
-
-
-class RankFiles(_reporter_base()):
+class RankFiles(Reporter):
     """A user reporter and ``on_event`` hook appending what they get to DIR/<what>-rank<R>.jsonl."""
 
     def __init__(self, dir: Path):
