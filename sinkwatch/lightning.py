@@ -7,8 +7,9 @@ Probes after every ``every_n_steps``-th optimizer step (de-duplicated on ``train
 the batch-end hook fires per micro-batch), at step 0 and at the end. Strategies: single device,
 DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
-FSDP v1 (every rank probes together inside ``summon_full_params`` on the strategy's root wrapper).
-Only global rank 0 reports.
+FSDP v1 (every rank probes together; the parameters no inner unit owns are gathered through the
+strategy's root wrapper). Tensor parallelism and DeepSpeed ZeRO-3 are refused at fit start. Only
+global rank 0 reports (docs/live.md, "Distributed training").
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class SinkWatchCallback(Callback):
             max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
             world_size=data_parallel_size(trainer),
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
+            # DeepSpeedStrategy's own flag (no deepspeed import); the parameters' ``ds_id`` and tensor-parallel
+            # shards are checked in setup, which refuses such layouts on every rank before any probe
+            zero3=bool(getattr(trainer.strategy, "zero_stage_3", False)),
         )
         self._report_to_loggers(trainer)
 
