@@ -22,6 +22,8 @@ import pytest
 import torch
 from families import BUILT_HERE, FAMILIES, VOCAB, build
 
+from sinkwatch import Monitor
+from sinkwatch.capture import UnsupportedModelError
 from sinkwatch.cli import main
 from sinkwatch.probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
 
@@ -237,3 +239,40 @@ def check_feature_matters(name, model, record):
                 layer.self_attn.attn_logit_softcapping = None
             uncapped = m(input_ids=ids, output_attentions=True, use_cache=False).attentions
         assert max(float((a - b).abs().max()) for a, b in zip(capped, uncapped)) > 0.5
+
+
+def test_one_attention_module_run_in_several_blocks():
+    """Zamba(2)'s shared transformer: one attention module object run by blocks 1 and 3 (the same
+    computation as the tied copies a checkpoint loads). Calls map to the block they run in, so the
+    record equals the tied-copies model's, with blocks 0 and 2 null."""
+    tied = build("zamba2")
+    shared = copy.deepcopy(tied)
+    layers = shared.model.layers
+    layers[3].shared_transformer = layers[1].shared_transformer  # weights were tied: same numbers
+    probes = [InductionProbe(n=3, seq_len=T)]
+    a = Monitor(probes).probe(shared).to_record()
+    b = Monitor(probes).probe(tied).to_record()
+    assert a["softmax_layers"] == b["softmax_layers"] == [1, 3]
+    for key in ("sink_alpha", "pr", "p0_norm_ratio"):
+        close(np.asarray(a[key], dtype=float), np.asarray(b[key], dtype=float), atol=1e-6, rtol=1e-5)
+    assert a["sink_alpha"][0] == [None] * a["n_heads"]
+
+
+def test_an_attention_that_bypasses_sinkwatch_in_one_block_is_refused():
+    """A block holding the same attention class as the softmax blocks but whose call never reaches
+    sinkwatch is named, never silently reported as a null row."""
+    model = build("jamba")
+    attention = model.model.layers[3].self_attn
+    original = attention.forward
+
+    def bypass(hidden_states, *args, **kwargs):  # sdpa straight from torch, around AttentionInterface
+        saved = attention.config._attn_implementation
+        attention.config._attn_implementation = "sdpa"
+        try:
+            return original(hidden_states, *args, **kwargs)
+        finally:
+            attention.config._attn_implementation = saved
+
+    attention.forward = bypass
+    with pytest.raises(UnsupportedModelError, match=r"block 3 holds a JambaAttention like blocks \[1\]"):
+        Monitor([InductionProbe(n=2, seq_len=T)]).probe(model)
