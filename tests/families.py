@@ -169,12 +169,16 @@ FAMILIES: dict[str, Family] = {
 BUILT_HERE = tuple(name for name, f in FAMILIES.items() if f.config is not None)
 
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model of a family built here, its feature made to matter, in eval mode."""
+def build(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random model of a family built here, its feature made to matter, in eval mode.
+    ``overrides``: config attributes to change (``max_position_embeddings=64``)."""
     T = _transformers()
     family = FAMILIES[name]
+    config = family.config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(family.config())
+    model = T.AutoModelForCausalLM.from_config(config)
     if family.matter is not None:
         family.matter(model)
     return model.eval()

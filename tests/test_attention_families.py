@@ -25,7 +25,9 @@ from families import BUILT_HERE, FAMILIES, VOCAB, build
 from sinkwatch import Monitor
 from sinkwatch.capture import UnsupportedModelError
 from sinkwatch.cli import main
+from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
+from sinkwatch.reporting.jsonl import read_jsonl
 
 # Named tolerances: sinkwatch's float32 statistics of the float32 model vs eager attention of its
 # float64 copy (the difference is the float32 forward's own rounding)
@@ -276,3 +278,42 @@ def test_an_attention_that_bypasses_sinkwatch_in_one_block_is_refused():
     attention.forward = bypass
     with pytest.raises(UnsupportedModelError, match=r"block 3 holds a JambaAttention like blocks \[1\]"):
         Monitor([InductionProbe(n=2, seq_len=T)]).probe(model)
+
+
+def hf_run(tmp_path, name: str, with_callback: bool) -> tuple[list, dict]:
+    """4 optimizer steps of the HF Trainer on the copy task (context 64); the callback at its defaults
+    (the default probes: induction 100 x 64, repeated 32 x 64, natural windows from the first batch)
+    but every 2 steps, no W&B, no console."""
+    from train_helpers import CopyDataset
+    from transformers import Trainer, TrainingArguments
+
+    model = build(name, max_position_embeddings=T).train()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3, use_cpu=True,
+        report_to=[], save_strategy="no", logging_steps=1, seed=11, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    callback = SinkWatchTrainerCallback(every_n_steps=2, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    cbs = [callback] if with_callback else []
+    trainer = Trainer(model=model, args=args, train_dataset=CopyDataset(n=64, half=T // 2), callbacks=cbs)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])
+def test_hf_training_is_bit_identical_with_the_callback(name, tmp_path):
+    """A tiny gpt-oss (learned sinks, eager attention) and a tiny Qwen3-Next (hybrid, gated) train
+    bit-identically with and without the callback at its defaults, which records every 2 steps."""
+    la, pa = hf_run(tmp_path / "plain", name, False)
+    lb, pb = hf_run(tmp_path / "watched", name, True)
+    assert la == lb and len(la) == 4
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+    records = read_jsonl(tmp_path / "watched" / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert all("error" not in r for r in records)
+    assert records[0]["probe"] == "natural+induction+repeated"
+    family = FAMILIES[name]
+    for r in records:
+        assert r["softmax_layers"] == list(family.softmax_layers or range(r["n_layers"]))
+        assert ("sink_learned_alpha" in r) == family.sinks and ("attn_gate_mean" in r) == family.gated
