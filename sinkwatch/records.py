@@ -52,10 +52,10 @@ def head_class_rows(record: Mapping[str, Any]) -> list[list]:
     best = record.get("best_class")
     if sel is None or best is None:
         return []
-    softmax = set(softmax_layers_of(record))
+    softmax = record.get("softmax_layers")
     rows = []
     for l, row in enumerate(best):
-        if l not in softmax:
+        if softmax is not None and l not in softmax:
             continue
         for h, cls in enumerate(row):
             rows.append([l, h, cls] + [sel[c][l][h] for c in SELECTIVITY_CLASSES])

@@ -317,3 +317,51 @@ def test_hf_training_is_bit_identical_with_the_callback(name, tmp_path):
     for r in records:
         assert r["softmax_layers"] == list(family.softmax_layers or range(r["n_layers"]))
         assert ("sink_learned_alpha" in r) == family.sinks and ("attn_gate_mean" in r) == family.gated
+
+
+def test_a_hybrid_record_survives_every_consumer(tmp_path):
+    """Null rows of a hybrid stack (Jamba: softmax in blocks 1 and 3) go through the stage tracker,
+    the JSONL, the console lines, the W&B scalars, heatmaps and head-class table, `sinkwatch report`
+    and the findings; counts are over the softmax heads and nothing reads a null as a fault."""
+    import wandb
+
+    from sinkwatch import findings
+    from sinkwatch.live import _has_non_finite
+    from sinkwatch.records import head_class_rows, n_sink_heads, softmax_heads
+    from sinkwatch.report import build_report
+    from sinkwatch.reporting.console import one_line, summary
+    from sinkwatch.reporting.figures import close as close_figures
+    from sinkwatch.reporting.figures import record_heatmaps
+    from sinkwatch.reporting.jsonl import JSONLReporter
+    from sinkwatch.reporting.wandb_run import scalars
+
+    model = build("jamba")
+    natural = NaturalProbe(tokens=torch.randint(2, VOCAB, (1000,), generator=torch.Generator().manual_seed(1)), n=4, seq_len=40)
+    monitor = Monitor([InductionProbe(n=4, seq_len=T), RepeatedRandomProbe(n=2, seq_len=32), natural])
+    jsonl = JSONLReporter(tmp_path / "store")
+    for step in (0, 10):
+        snap = monitor.probe(model, step=step, tokens=step * 256)  # the tracker consumes the record
+        assert not _has_non_finite(snap.values)  # null rows are not NaN activations
+        record = snap.to_record()
+        jsonl.log_record(record)  # JSON without NaN: nulls
+    records = read_jsonl(tmp_path / "store" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 10] and records[-1]["softmax_layers"] == [1, 3]
+    record = records[-1]
+    assert record["p0_stage"] in ("none", "early", "transitional", "final")
+    assert softmax_heads(record) == 8 and n_sink_heads(record) == sum(n for n in record["sink_heads_per_layer"] if n is not None)
+    assert "sink heads" in summary(record) and "softmax attention in blocks [1, 3]" in summary(record) and "sinkwatch:" in one_line(record)
+    flat = scalars(record)
+    assert "sinkwatch/sink_rate_per_layer/L1" in flat and "sinkwatch/sink_rate_per_layer/L0" not in flat
+    assert "sinkwatch/p0_norm_ratio/L0" in flat  # the residual stream is per block
+    figures = record_heatmaps(record)
+    images = [wandb.Image(f) for f in figures.values()]
+    close_figures(figures)
+    rows = head_class_rows(record)
+    table = wandb.Table(columns=["layer", "head", "best_class", *record["selectivity"]], data=rows)
+    assert len(images) == 3 and {r[0] for r in rows} == {1, 3} and len(table.data) == 8
+    trajectory = findings.trajectory_from_records(records)
+    assert trajectory.total_heads == 8 and findings.l0_l1_floor(trajectory) in (True, False)
+    report = build_report([tmp_path / "store"], tmp_path / "report")
+    text = report.read_text()
+    assert "| 10 | 2.56K |" in text and "final_sink_fraction" in text and "heatmap_0_step10_sink_alpha.png" in text
+    assert (report.parent / "final_sink_heads_per_layer.png").exists()  # null blocks: no bar
