@@ -243,6 +243,21 @@ def check_feature_matters(name, model, record):
         assert max(float((a - b).abs().max()) for a, b in zip(capped, uncapped)) > 0.5
 
 
+def test_a_live_gpt_oss_in_eager_attention_is_probed_with_its_sinks():
+    """A gpt-oss model as a live run holds it (eager attention, in memory): the sink logit joins every
+    denominator, so the first-class selectivity and alpha_0 equal eager attention's (which drops the
+    sink column only after its softmax)."""
+    model = build("gpt_oss")
+    assert model.config._attn_implementation == "eager"
+    monitor = Monitor([InductionProbe(n=N, seq_len=T)])
+    record = monitor.probe(model).to_record()
+    probe = monitor.probe_sets(VOCAB)[0]
+    run = eager64(model, "gpt_oss", probe.tokens)
+    close(record["sink_alpha"], ind.sink_metrics(run["attn"])["sink_alpha"], atol=PROB_ATOL)
+    sel = ind.selectivity_metrics(run["attn"], probe.tokens.numpy(), probe.fields["ab"], probe.fields["token_b"])
+    close(record["selectivity"]["first"], sel["selectivity"]["first"], rtol=RATIO_RTOL, atol=RATIO_ATOL)
+
+
 def test_one_attention_module_run_in_several_blocks():
     """Zamba(2)'s shared transformer: one attention module object run by blocks 1 and 3 (the same
     computation as the tied copies a checkpoint loads). Calls map to the block they run in, so the
