@@ -130,6 +130,7 @@ class RowColumnsPart(Part):
     def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
         rows = torch.as_tensor(self.rows[batch], device=query.device)
         cols = torch.as_tensor(self.cols[batch], device=query.device)
+        # (eager half-precision rounding reproduces the paper's models, none of which has learned sinks)
         if self.eager_half and query.dtype in (torch.float16, torch.bfloat16) and sinks is None:
             probs, ent = eager_half_rows(query, key, scaling, rows, cols, window=window, softcap=softcap)
             self.gathered[layer].append(probs.cpu().numpy())
@@ -214,12 +215,15 @@ class GatePart(Part):
 
 
 class HeadCountPart(Part):
-    """Records the number of query heads (the same in every layer)."""
+    """Records the number of query heads (the same in every layer) and the blocks that ran softmax attention."""
 
-    n_heads: int | None = None
+    def __init__(self):
+        self.n_heads: int | None = None
+        self.softmax_layers: list[int] = []
 
     def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
         self.n_heads = int(query.shape[1])
+        self.softmax_layers = sorted({*self.softmax_layers, layer})
 
 
 @dataclass

@@ -238,10 +238,12 @@ class Monitor:
             raise ValueError("group ablation scores the induction probe's target; configure Monitor with InductionProbe()")
         pairs = [_parse_head(h) for h in heads]
         L = target.n_layers
-        H = self._n_query_heads(target, probe)
+        H, softmax = self._n_query_heads(target, probe)
         for l, h in pairs:
             if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
+            if l not in softmax:  # hybrid stacks: zeroing a head there would silently change nothing
+                raise ValueError(f"block {l} has no softmax attention (softmax blocks: {softmax}); L{l}H{h} has no head to ablate")
         if control is None:
             short = "min" if self.config.protocol == "paper" else "raise"
             control = metrics.matched_random_heads(pairs, H, seed=seed, short_layer=short)
@@ -275,12 +277,13 @@ class Monitor:
                 out.append(forward(probe.tokens[batch].to(device))[:, -1].float().cpu())
         return torch.cat(out)
 
-    def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> int:
-        """Query heads per layer, read off one short captured forward (works for any target)."""
+    def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> tuple[int, list[int]]:
+        """Query heads per layer and the blocks with softmax attention, read off one short captured
+        forward (works for any target)."""
         counter = HeadCountPart()
         with untouched(target.module):
             self._last_logits(target, probe.subset(1), [counter])
-        return counter.n_heads
+        return counter.n_heads, counter.softmax_layers
 
 
 # ---- one entry per probe kind: the parts it adds to the capture and the values it computes --------

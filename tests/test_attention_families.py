@@ -383,3 +383,14 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     text = report.read_text()
     assert "| 10 | 2.56K |" in text and "final_sink_fraction" in text and "heatmap_0_step10_sink_alpha.png" in text
     assert (report.parent / "final_sink_heads_per_layer.png").exists()  # null blocks: no bar
+
+
+def test_group_ablation_in_a_hybrid_stack_names_blocks_without_heads():
+    """Ablating a softmax block's head works; a head of a Mamba block is refused (zeroing it would
+    silently change nothing)."""
+    model = build("jamba")
+    monitor = Monitor([InductionProbe(n=2, seq_len=T)])
+    result = monitor.ablate(model, ["L1H0"])
+    assert result["heads"] == ["L1H0"] and result["control_heads"][0].startswith("L1H")
+    with pytest.raises(ValueError, match=r"block 0 has no softmax attention \(softmax blocks: \[1, 3\]\)"):
+        monitor.ablate(model, ["L0H1"])
