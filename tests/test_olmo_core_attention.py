@@ -129,6 +129,23 @@ def test_statistics_equal_a_float64_computation_from_the_models_own_q_k_sinks_an
     monitor = Monitor(PROBES)
     record = monitor.probe(OLMoCoreTarget(model)).to_record()
     sets = {s.kind: s for s in monitor.probe_sets(VOCAB)}
+
+    probe = sets["induction"]
+    run = independent(model, probe.tokens)
+    after = ind.participation_ratio(run["oproj"], H)  # what the heads write: w_out's input
+    close(record["pr"], after, rtol=RATIO_RTOL)
+    if gate:  # the gate matters: PR before it (the backend's output) is another number
+        before = ind.participation_ratio(run["attended"], H)
+        assert np.abs(before - after).max() > 0.05
+    toks, token_b = probe.tokens.numpy(), probe.fields["token_b"]
+    once = [(toks[n, :-1] == token_b[n]).sum() == 1 for n in range(len(toks))]
+    ab = np.array([int(np.flatnonzero(toks[n, :-1] == token_b[n])[0]) - 1 if once[n] else probe.fields["ab"][n] for n in range(len(toks))])
+    sel = ind.selectivity_metrics(run["attn"], toks, ab, token_b)
+    for cls, expected in sel["selectivity"].items():
+        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
+    assert np.array_equal(np.array(record["best_class"], dtype=object), sel["best_class"])
+    assert record["sink_heads_per_layer"] == sel["sink_heads_per_layer"]
+    assert record["induction_heads"] == sel["induction_heads"]
     assert record["softmax_layers"] == [0, 1]
 
     nat = sets["natural"]
@@ -150,23 +167,6 @@ def test_statistics_equal_a_float64_computation_from_the_models_own_q_k_sinks_an
         assert "attn_gate_mean" not in record
     p0 = ind.p0_metrics(run["resid"], nat.tokens.numpy())
     close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
-
-    probe = sets["induction"]
-    run = independent(model, probe.tokens)
-    toks, token_b = probe.tokens.numpy(), probe.fields["token_b"]
-    once = [(toks[n, :-1] == token_b[n]).sum() == 1 for n in range(len(toks))]
-    ab = np.array([int(np.flatnonzero(toks[n, :-1] == token_b[n])[0]) - 1 if once[n] else probe.fields["ab"][n] for n in range(len(toks))])
-    sel = ind.selectivity_metrics(run["attn"], toks, ab, token_b)
-    for cls, expected in sel["selectivity"].items():
-        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
-    assert np.array_equal(np.array(record["best_class"], dtype=object), sel["best_class"])
-    assert record["sink_heads_per_layer"] == sel["sink_heads_per_layer"]
-    assert record["induction_heads"] == sel["induction_heads"]
-    after = ind.participation_ratio(run["oproj"], H)  # what the heads write: w_out's input
-    close(record["pr"], after, rtol=RATIO_RTOL)
-    if gate:  # the gate matters: PR before it (the backend's output) is another number
-        before = ind.participation_ratio(run["attended"], H)
-        assert np.abs(before - after).max() > 0.05
 
     rep = sets["repeated"]
     run = independent(model, rep.tokens)
