@@ -339,8 +339,8 @@ def test_hf_training_is_bit_identical_with_the_callback(name, tmp_path):
 
 def test_a_hybrid_record_survives_every_consumer(tmp_path):
     """Null rows of a hybrid stack (Jamba: softmax in blocks 1 and 3) go through the stage tracker,
-    the JSONL, the console lines, the W&B scalars, heatmaps and head-class table, `sinkwatch report`
-    and the findings; counts are over the softmax heads and nothing reads a null as a fault."""
+    the JSONL, the console lines, the W&B scalars, heatmaps and head-class table, `sinkwatch report`,
+    the findings and group ablation; counts are over the softmax heads and nothing reads a null as a fault."""
     import wandb
 
     from sinkwatch import findings
@@ -357,11 +357,12 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     natural = NaturalProbe(tokens=torch.randint(2, VOCAB, (1000,), generator=torch.Generator().manual_seed(1)), n=4, seq_len=40)
     monitor = Monitor([InductionProbe(n=4, seq_len=T), RepeatedRandomProbe(n=2, seq_len=32), natural])
     jsonl = JSONLReporter(tmp_path / "store")
-    for step in (0, 10):
-        snap = monitor.probe(model, step=step, tokens=step * 256)  # the tracker consumes the record
-        assert not _has_non_finite(snap.values)  # null rows are not NaN activations
-        record = snap.to_record()
-        jsonl.log_record(record)  # JSON without NaN: nulls
+    snap = monitor.probe(model, step=0, tokens=0)  # the tracker consumes the record
+    assert not _has_non_finite(snap.values)  # null rows are not NaN activations
+    jsonl.log_record(snap.to_record())  # JSON without NaN: nulls
+    later = {**snap.to_record(), "step": 10, "tokens": 2560}  # a second probe of the same weights
+    monitor.tracker.update(later)
+    jsonl.log_record(later)
     records = read_jsonl(tmp_path / "store" / "records.jsonl")
     assert [r["step"] for r in records] == [0, 10] and records[-1]["softmax_layers"] == [1, 3]
     record = records[-1]
@@ -379,18 +380,14 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     assert len(images) == 3 and {r[0] for r in rows} == {1, 3} and len(table.data) == 8
     trajectory = findings.trajectory_from_records(records)
     assert trajectory.total_heads == 8 and findings.l0_l1_floor(trajectory) in (True, False)
+    # group ablation: a softmax block's head works; a Mamba block's head is refused (zeroing it there
+    # would silently change nothing)
+    result = monitor.ablate(model, ["L1H0"])
+    assert result["heads"] == ["L1H0"] and result["control_heads"][0].startswith("L1H")
+    with pytest.raises(ValueError, match=r"block 0 has no softmax attention \(softmax blocks: \[1, 3\]\)"):
+        monitor.ablate(model, ["L0H1"])
     report = build_report([tmp_path / "store"], tmp_path / "report")
     text = report.read_text()
     assert "| 10 | 2.56K |" in text and "final_sink_fraction" in text and "heatmap_0_step10_sink_alpha.png" in text
     assert (report.parent / "final_sink_heads_per_layer.png").exists()  # null blocks: no bar
 
-
-def test_group_ablation_in_a_hybrid_stack_names_blocks_without_heads():
-    """Ablating a softmax block's head works; a head of a Mamba block is refused (zeroing it would
-    silently change nothing)."""
-    model = build("jamba")
-    monitor = Monitor([InductionProbe(n=2, seq_len=T)])
-    result = monitor.ablate(model, ["L1H0"])
-    assert result["heads"] == ["L1H0"] and result["control_heads"][0].startswith("L1H")
-    with pytest.raises(ValueError, match=r"block 0 has no softmax attention \(softmax blocks: \[1, 3\]\)"):
-        monitor.ablate(model, ["L0H1"])

@@ -118,7 +118,7 @@ PROBES = [
 ]
 
 
-VARIANTS = {"sinks+headwise": (True, "headwise"), "elementwise": (False, "elementwise"), "sinks": (True, None)}
+VARIANTS = {"sinks+headwise": (True, "headwise"), "elementwise": (False, "elementwise")}
 
 
 @pytest.mark.parametrize("sinks, gate", list(VARIANTS.values()), ids=list(VARIANTS))
