@@ -551,10 +551,17 @@ def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:
 
 
 def _has_non_finite(values: dict) -> bool:
-    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault
+    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault.
+    # Blocks without softmax attention (hybrid stacks) are NaN rows of the attention arrays by design.
+    softmax = values.get("softmax_layers")
     for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
         v = values.get(key)
-        if v is not None and not np.all(np.isfinite(np.asarray(v, dtype=float))):
+        if v is None:
+            continue
+        v = np.asarray(v, dtype=float)
+        if key != "p0_norm_ratio" and softmax is not None:
+            v = v[list(softmax)]
+        if not np.all(np.isfinite(v)):
             return True
     v = values.get("sink_rate")
     return v is not None and not math.isfinite(v)
