@@ -335,11 +335,18 @@ class _HeldFaults:
                 self.fault = exc
         return args[-1] if method == "on_attention_output" else None
 
-    def on_attention(self, layer, query, key, scaling, window, softcap):
-        self._call("on_attention", layer, query, key, scaling, window, softcap)
+    # one method per hook of capture's ``Collector`` protocol: a hook missing here would be lost to the probe
+    def on_attention(self, layer, query, key, scaling, window, softcap, sinks=None):
+        self._call("on_attention", layer, query, key, scaling, window, softcap, sinks)
 
     def on_attention_output(self, layer, output):
         return self._call("on_attention_output", layer, output)
+
+    def on_head_output(self, layer, output):
+        self._call("on_head_output", layer, output)
+
+    def on_gate(self, layer, gate):
+        self._call("on_gate", layer, gate)
 
     def on_block_output(self, layer, hidden):
         self._call("on_block_output", layer, hidden)

@@ -259,3 +259,25 @@ def test_zero3_is_refused_by_the_hf_callback(tmp_path):
     with pytest.raises(ValueError, match="ZeRO-3.*ZeRO stage 1 or 2"):
         trainer.train()
     assert not read_jsonl(tmp_path / "sw" / "records.jsonl")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
+def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
+    """Ranks that probe together run through distributed._GuardedTarget, whose collector wrapper holds
+    statistics faults: it must hand on every hook of capture's Collector (learned sinks, gates, the
+    gated head output), so a sharded gpt-oss or Qwen3-Next record equals the plain probe's."""
+    import families
+    import numpy as np
+
+    from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
+    from sinkwatch.capture import resolve_target
+    from sinkwatch.distributed import ProbeGroup, _GuardedTarget
+
+    model = families.build(family)
+    probes = [InductionProbe(n=6, seq_len=64, vocab_range=(2, 250)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, 250))]
+    plain = Monitor(probes).probe(model, track=False).to_record()
+    guarded = Monitor(probes).probe(_GuardedTarget(resolve_target(model), ProbeGroup(1), step=0, token=1), track=False).to_record()
+    keys = ["sink_alpha", "pr", "induction_score", "sink_learned_alpha" if family == "gpt_oss" else "attn_gate_mean"]
+    for key in keys:
+        assert key in plain, key
+        np.testing.assert_array_equal(np.array(guarded[key], dtype=float), np.array(plain[key], dtype=float), err_msg=key)
