@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
-from .target import ProbeTarget
+from .target import ProbeTarget, model_class_name
 
 
 def is_olmo_core_model(obj) -> bool:
@@ -97,7 +97,7 @@ class OLMoCoreTarget(ProbeTarget):
             raise TypeError(f"OLMoCoreTarget needs an olmo_core.nn.transformer.Transformer, got {type(model).__name__}")
         check_olmo_core_supported(model)
         self.model = self.module = model
-        self.name = f"olmo_core.{type(model).__name__}"
+        self.name = f"olmo_core.{model_class_name(model)}"
         # a ModuleList view of the ModuleDict (keys "0".."L-1", in forward order); not registered anywhere
         self._blocks = nn.ModuleList([model.blocks[k] for k in sorted(model.blocks.keys(), key=int)])
 

@@ -11,6 +11,13 @@ from torch import nn
 from .session import Collector
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name, whatever wraps its class: ``fully_shard`` (FSDP2) and ``replicate``
+    swap in a dynamic subclass (``FSDP<Class>``, ``DDP<Class>``) made in torch.distributed, which a
+    record must not report as the model."""
+    return next((c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")), type(model).__name__)
+
+
 class ProbeTarget:
     """A model as the monitor sees it: its blocks, vocabulary, context, and a captured forward."""
 

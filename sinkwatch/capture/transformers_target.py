@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
-from .target import ProbeTarget
+from .target import ProbeTarget, model_class_name
 
 SINKWATCH_IMPL = "sinkwatch"  # delegates to sdpa, uses sdpa's mask function
 SINKWATCH_EAGER_IMPL = "sinkwatch_eager"  # delegates to the model's eager attention, eager mask
@@ -195,7 +195,7 @@ class HFTarget(ProbeTarget):
     def __init__(self, model: nn.Module):
         check_supported(model)
         self.model = self.module = model
-        self.name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.name = getattr(model.config, "_name_or_path", "") or model_class_name(model)
         self._blocks = decoder_blocks(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
