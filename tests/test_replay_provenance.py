@@ -73,6 +73,15 @@ def hub(weights):
             h.add_revision("org/shard", branch, weights[w])
         for branch, w in (("step100", "w0"), ("step200", "w1")):
             h.add_revision("org/moving", branch, weights[w])
+        olmo2 = (
+            ("stage1-step0-tokens0B", "w0"),
+            ("stage1-step100-tokens1B", "w1"),
+            ("stage2-ingredient1-step50-tokens1B", "w2"),
+            ("stage2-ingredient2-step50-tokens1B", "w3"),
+            ("main", "w2"),
+        )
+        for branch, w in olmo2:
+            h.add_revision("org/olmo2", branch, weights[w])
         with patched_endpoint(h.endpoint):
             yield h
 
@@ -161,6 +170,25 @@ def test_the_plan_can_flag_duplicates_from_metadata_alone(hub):
     flags = find_duplicates(revs, fp, aliases=main_ref)
     assert sorted(flags) == ["step150", "step250", "step300"] and {g.duplicate_of for g in flags.values()} == {"main"}
     assert len(hub.downloads()) == before
+
+
+def test_parallel_runs_are_their_own_series_with_stages_over_stage1_then_their_own(hub, tmp_path):
+    """OLMo-2's stage-2 ingredients: each its own trajectory after stage 1, tokens continued from stage 1's end."""
+    rows = run("org/olmo2", tmp_path)
+    assert [(r["revision"], r.get("run"), r["tokens"]) for r in rows] == [
+        ("stage1-step0-tokens0B", None, 0),
+        ("stage1-step100-tokens1B", None, 10**9),
+        ("stage2-ingredient1-step50-tokens1B", "stage2-ingredient1", 2 * 10**9),
+        ("stage2-ingredient2-step50-tokens1B", "stage2-ingredient2", 2 * 10**9),
+    ]
+    assert all(r["duplicate_of"] is None for r in rows)  # main = ingredient1's weights: an alias, not a duplicate
+    assert [r["revision"] for r in merged_records(tmp_path)] == [r["revision"] for r in rows]
+    md = build_report([tmp_path], tmp_path / "rep").read_text()
+    for run_name in ("stage2-ingredient1", "stage2-ingredient2"):
+        assert f"## org/olmo2 [{run_name}]" in md
+    section = md[md.index("## org/olmo2 [stage2-ingredient1]") :]
+    table = section[: section.index("## org/olmo2 [stage2-ingredient2]")]
+    assert "stage2-ingredient1-step50-tokens1B" in table and "stage1-step100" not in table and "ingredient2" not in table
 
 
 # ---- local folders -----------------------------------------------------------------------------------------

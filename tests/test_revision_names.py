@@ -100,6 +100,12 @@ def test_olmo2_ingredients_are_parallel_runs_whose_tokens_continue_from_the_end_
         ("stage2-ingredient1-step2000-tokens5B", 4006 * B),
         ("stage2-ingredient1-step23852-tokens51B", 4052 * B),
     ]
+    # each ingredient's stages are derived over stage 1 and then its own revisions, never another ingredient's
+    from sinkwatch.replay.revisions import lineage
+
+    two = [r.name for r in lineage(revs, "stage2-ingredient2")]
+    assert two == OLMO2_STAGE1 + [n for n in OLMO2_STAGE2 if "ingredient2" in n]
+    assert [r.name for r in lineage(revs, None)] == OLMO2_STAGE1
     # log-spaced selection happens within each run: the ingredients are not mixed into stage 1's steps
     picked = [parse_revision(n) for n in select_log_spaced(shuffled(OLMO2_STAGE1 + OLMO2_STAGE2), 2)]
     assert sorted((r.run or "", r.step) for r in picked) == sorted(
