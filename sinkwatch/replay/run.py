@@ -226,7 +226,7 @@ def _replay_wandb(mode: str, out_dir, recipe: Recipe):
     if mode == "disabled":
         return None
     try:
-        from .reporting.wandb_run import wandb_reporter
+        from ..reporting.wandb_run import wandb_reporter
 
         return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": recipe.name or recipe.model})
     except ImportError:
