@@ -414,7 +414,10 @@ class LiveMonitor:
         self._probe_params = {s.kind: dict(s.params) for s in self.monitor.probe_sets(self.target.vocab_size)}
         self.config_hash = config_hash(self._probe_hashes, self.monitor.config)
         if self.jsonl is not None:  # the live store keeps them too, for checkpoints without a trainer state
-            save_live_probes(self.state_dict(), self.jsonl.dir)
+            try:
+                save_live_probes(self.state_dict(), self.jsonl.dir)
+            except (OSError, TypeError, ValueError) as exc:  # never a lost probe or a stopped run over this file
+                self._warn("probes.json", f"sinkwatch: could not write probes.json to {self.jsonl.dir} ({exc}); replay then needs --probe")
 
     def state_dict(self) -> dict:
         """JSON-able state: probe hashes, natural tokens, tracker, counters."""
