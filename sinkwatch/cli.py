@@ -18,7 +18,7 @@ def _probe_kinds(text: str) -> list[str]:
     return kinds
 
 
-def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
+def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None, n_help: str | None = None) -> None:
     """Probe options shared by ``probe`` and ``replay``."""
     p.add_argument(
         "--probe",
@@ -26,7 +26,8 @@ def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None
         default=["induction"],
         help="probe kinds, comma-separated: induction, repeated, natural (default induction)",
     )
-    p.add_argument("--n", type=int, default=default_n, help="sequences per probe (default: induction 500, repeated 64, natural 100)")
+    n_help = n_help or "sequences per probe (default: induction 500, repeated 64, natural 100)"
+    p.add_argument("--n", type=int, default=default_n, help=n_help)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: induction 256, repeated 128 = 2L, natural 64)")
     p.add_argument(
         "--vocab-range",
@@ -191,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sel.add_argument("--log-spaced", type=int, default=None, help="replay ~N log-spaced revisions of those listed by the hub")
     r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
-    add_probe_arguments(r)
+    # replay's probe options lay over the recipe's probes: no CLI default of their own
+    add_probe_arguments(r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)")
     r.add_argument("--shard", default=None, help="K/N: take every N-th revision starting at K (default: RANK/WORLD_SIZE under torchrun)")
     r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
@@ -238,9 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
         "download); by default they are measured, flagged, and left out of the trajectory",
     )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
-    for action in r._actions:  # replay's probe options lay over the recipe's probes: no CLI default of their own
-        if action.dest == "n":
-            action.help = "sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)"
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
     d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
