@@ -273,3 +273,18 @@ def test_report_lists_revisions_outside_the_trajectory(hub, tmp_path):
     md = build_report([tmp_path], tmp_path / "rep").read_text()
     assert "training step (tokens unknown" not in md
     assert "Outside the trajectory" in md and "| main |" in md[md.index("Outside the trajectory") :]
+
+
+def test_local_checkpoint_names_and_where_their_tokens_come_from():
+    """Steps of local checkpoint names; tokens: --tokens-per-step, else the live callback's count,
+    else the trainer's own (HF num_input_tokens_seen, OLMo-core global_train_tokens_seen); step 0 is 0."""
+    from sinkwatch.replay.local import _State, _tokens, local_step
+
+    names = {"checkpoint-1000": 1000, "step100": 100, "model_step_250": 250, "epoch=2-step=1500.ckpt": 1500, "iter_0002400": 2400}
+    assert {n: local_step(n) for n in names} == names
+    assert local_step("final") is None and local_step("last.ckpt") is None
+    callback, trainer_count = _State(step=5, trainer_tokens=4096, sinkwatch={"tokens_seen": 2560}), _State(step=5, trainer_tokens=4096)
+    assert _tokens(5, callback, 100) == 500  # --tokens-per-step wins
+    assert _tokens(5, callback, None) == 2560  # what the live records at this step said
+    assert _tokens(5, trainer_count, None) == 4096 and _tokens(5, _State(step=5), None) is None
+    assert _tokens(0, trainer_count, None) == 0 and _tokens(None, callback, 100) is None
