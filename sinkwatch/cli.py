@@ -18,7 +18,7 @@ def _probe_kinds(text: str) -> list[str]:
     return kinds
 
 
-def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
+def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None, n_help: str | None = None) -> None:
     """Probe options shared by ``probe`` and ``replay``."""
     p.add_argument(
         "--probe",
@@ -26,7 +26,8 @@ def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None
         default=["induction"],
         help="probe kinds, comma-separated: induction, repeated, natural (default induction)",
     )
-    p.add_argument("--n", type=int, default=default_n, help="sequences per probe (default: induction 500, repeated 64, natural 100)")
+    n_help = n_help or "sequences per probe (default: induction 500, repeated 64, natural 100)"
+    p.add_argument("--n", type=int, default=default_n, help=n_help)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: induction 256, repeated 128 = 2L, natural 64)")
     p.add_argument(
         "--vocab-range",
@@ -83,19 +84,16 @@ def cmd_probe(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .monitor import MonitorConfig
     from .replay import Recipe, is_recipe, load_recipe, parse_shard, read_ablation, replay
+    from .replay.protocol import probes_with_options
     from .reporting.wandb_run import wandb_mode_from_env
 
     if is_recipe(args.target):
         recipe = load_recipe(args.target)
-    else:
-        recipe = Recipe(model=args.target, name=args.target.split("/")[-1])
-    probes = None  # the recipe's probes unless any probe option is given
-    if args.probe or args.n is not None or args.seq_len is not None or args.vocab_range:
-        if not args.probe:
-            args.probe = list(recipe.probes)
-        probes = probe_recipes(args, recipe.model)
+    else:  # a hub id or a local folder of checkpoints: the options given are its measurement
+        recipe = Recipe(model=args.target, name=Path(args.target.rstrip("/")).name)
+    # the recipe's probes with any probe option laid over them (None: the recipe's own)
+    probes = probes_with_options(recipe, args.probe, n=args.n, seq_len=args.seq_len, vocab_range=args.vocab_range, text=args.text)
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
     out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
     rows = replay(
@@ -109,12 +107,15 @@ def cmd_replay(args) -> int:
         shard=parse_shard(args.shard) if args.shard else None,
         cache_dir=args.cache_dir,
         tokens_per_step=args.tokens_per_step,
-        monitor_config=MonitorConfig(batch_tokens=args.batch_tokens) if args.batch_tokens is not None else None,
+        batch_tokens=args.batch_tokens,  # memory only: the recipe's protocol and ablation stay
         wandb=wandb_mode_from_env(args.wandb),
         progress=not args.no_progress,
         protocol=args.protocol,
         ablate=args.ablate,
         ablation_revision=args.ablation_revision,
+        lightning_module=args.lightning_module,
+        live_store=args.live_store,
+        skip_duplicates=args.skip_duplicates,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
@@ -176,13 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the record (JSON) here")
     p.set_defaults(func=cmd_probe)
 
-    r = sub.add_parser("replay", help="probe the training revisions of a published model (a recipe or a hub id)")
-    r.add_argument("target", help="a recipe (pythia-1b, olmo-1b-0724, olmoe-1b-7b-0924, or a .yaml path) or a hub model id")
+    r = sub.add_parser("replay", help="probe the training revisions of a published model (a recipe or a hub id) or of a local run")
+    r.add_argument(
+        "target",
+        help="a recipe (pythia-1b, olmo-1b-0724, olmoe-1b-7b-0924, a .yaml path, or NAME in $SINKWATCH_RECIPES), a hub model id, "
+        "or a local folder of checkpoints (HF Trainer checkpoint-N/, save_pretrained folders with a step in the name, "
+        "OLMo-core stepN/, Lightning *.ckpt)",
+    )
     sel = r.add_mutually_exclusive_group()
-    sel.add_argument("--revisions", default=None, help="comma-separated revisions (default: the recipe's, or all branches)")
+    sel.add_argument(
+        "--revisions",
+        default=None,
+        help="comma-separated revisions (default: the recipe's, or every branch with a step in its name; main and tags only when named)",
+    )
     sel.add_argument("--log-spaced", type=int, default=None, help="replay ~N log-spaced revisions of those listed by the hub")
     r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
-    add_probe_arguments(r)
+    # replay's probe options lay over the recipe's probes: no CLI default of their own
+    add_probe_arguments(r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)")
     r.add_argument("--shard", default=None, help="K/N: take every N-th revision starting at K (default: RANK/WORLD_SIZE under torchrun)")
     r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
@@ -198,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("paper", "sinkwatch"),
         default=None,
         help="paper: Xu 2026's exact precision choices (eager float16 attention for float16 models, PR on the first 500 "
-        "sequences in float16); sinkwatch: float32 statistics, PR on every sequence (default: the recipe's; packaged recipes: paper)",
+        "sequences in float16); sinkwatch: float32 statistics, PR on every sequence (default: the recipe's; packaged recipes: paper). "
+        "A probe or dtype option that changes a recipe's measurement labels the records protocol: custom (with what changed), "
+        "and is refused with --protocol paper",
     )
     r.add_argument(
         "--ablate",
@@ -208,6 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: on under protocol paper when the recipe names an ablation revision, as the packaged recipes do)",
     )
     r.add_argument("--ablation-revision", default=None, help="where to ablate (default: the recipe's; else the last revision)")
+    r.add_argument(
+        "--lightning-module",
+        default=None,
+        metavar="PKG.MODULE:CLASS",
+        help="the LightningModule of a folder of Lightning .ckpt files (loaded with Class.load_from_checkpoint)",
+    )
+    r.add_argument(
+        "--live-store",
+        default=None,
+        help="the live run's store (its callback out_dir): the natural windows it froze, for save_pretrained folders "
+        "(checkpoints with a trainer state carry them already)",
+    )
+    r.add_argument(
+        "--skip-duplicates",
+        action="store_true",
+        help="do not measure revisions whose weight files are another revision's (flagged from the hub's metadata before any "
+        "download); by default they are measured, flagged, and left out of the trajectory",
+    )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")

@@ -210,6 +210,7 @@ class LiveMonitor:
         self._log_steps: set[int] = set()
         self._pending_state: dict | None = None
         self._probe_hashes: dict | None = None
+        self._probe_params: dict | None = None
         self._warned: set[str] = set()
         self._ready = False
         self.wandb_reporter = None
@@ -477,7 +478,14 @@ class LiveMonitor:
     # ---- resume --------------------------------------------------------------------------------
     def _check_probe_hashes(self) -> None:
         self._probe_hashes = self.monitor.probe_hashes(self.target.vocab_size)
+        # with the hashes, the parameters that rebuild each set: replay of the checkpoints probes the same sets
+        self._probe_params = {s.kind: dict(s.params) for s in self.monitor.probe_sets(self.target.vocab_size)}
         self.config_hash = config_hash(self._probe_hashes, self.monitor.config)
+        if self.jsonl is not None:  # the live store keeps them too, for checkpoints without a trainer state
+            try:
+                save_live_probes(self.state_dict(), self.jsonl.dir)
+            except (OSError, TypeError, ValueError) as exc:  # never a lost probe or a stopped run over this file
+                self._warn("probes.json", f"sinkwatch: could not write probes.json to {self.jsonl.dir} ({exc}); replay then needs --probe")
 
     def state_dict(self) -> dict:
         """JSON-able state: probe hashes, natural tokens, tracker, counters."""
@@ -485,6 +493,7 @@ class LiveMonitor:
         return {
             "version": STATE_VERSION,
             "probe_hashes": self._probe_hashes,
+            "probe_params": self._probe_params,
             "natural_tokens": None if self.natural is None else self.natural.tokens.tolist(),
             "natural_params": None if self.natural is None else dict(self.natural.params),
             "tracker": tracker,
@@ -536,6 +545,18 @@ class LiveMonitor:
                 self._warn(
                     "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
                 )
+
+
+LIVE_PROBES_FILE = "probes.json"
+
+
+def save_live_probes(state: dict, out_dir) -> None:
+    """``probes.json`` in a live store: the probe sets' hashes and parameters and the frozen natural
+    windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
+    from pathlib import Path
+
+    keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
+    Path(out_dir, LIVE_PROBES_FILE).write_text(json.dumps({k: state[k] for k in keys}))
 
 
 def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:

@@ -7,6 +7,7 @@ the findings table flags every mismatch.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import numpy as np
 from . import findings as F
 from .records import best_induction_score, n_sink_heads, softmax_heads
 from .replay import failed_revisions, merged_records, read_ablation
+from .replay.provenance import flagged_records, moved_branches, stored_records
 from .reporting.figures import _plt, record_heatmaps, save
 from .reporting.jsonl import read_jsonl
 from .stages import INDUCTION_STATES, P0_STAGES
@@ -28,9 +30,19 @@ class Store:
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"no store at {self.path} (a directory with records.jsonl)")
-        self.records = merged_records(self.path)
-        if not self.records:
+        merged = merged_records(self.path)
+        if not merged:
             raise ValueError(f"{self.path} holds no successful records yet")
+        # a revision named without a step (main, a tag) is measured but is no point of the trajectory:
+        # listed apart, never drawn at step 0 (which cost the whole store its token axis)
+        self.outside = [r for r in merged if r.get("step") is None and r.get("tokens") is None and r.get("revision")]
+        self.records = [r for r in merged if r not in self.outside] or merged
+        if self.records is merged:
+            self.outside = []
+        stored = stored_records(self.path)
+        self.flagged = flagged_records(stored)  # duplicates: kept out of the trajectory, listed in the report
+        self.moved = moved_branches(stored)  # branches measured at more than one commit
+        self.run = None  # a parallel run's name when this is one series of a store (``series``)
         self.model = self.records[-1]["model"]
         self.label = self.model if self.model not in ("", None) else self.path.name
         self.failed = failed_revisions(self.path)
@@ -42,6 +54,24 @@ class Store:
         self.protocol = self.protocols[0] if len(self.protocols) == 1 else "mixed: " + ", ".join(self.protocols)
         self.has_tokens = all(r.get("tokens") is not None for r in self.records)
         self.ablation = read_ablation(self.path)  # DIR/ablation.json: the group ablation, when the replay ran it
+
+    def series(self) -> list[Store]:
+        """One view per run (OLMo-2's stage-2 ingredients are parallel runs): the main run, then each
+        parallel run as its own series, labelled ``label [run]``; a store with one run is itself."""
+        runs = list(dict.fromkeys(r.get("run") for r in self.records))
+        if len(runs) <= 1:
+            return [self]
+        out = []
+        for run in runs:
+            view = copy.copy(self)
+            view.records = [r for r in self.records if r.get("run") == run]
+            view.run = run
+            view.label = self.label if run is None else f"{self.label} [{run}]"
+            view.has_tokens = all(r.get("tokens") is not None for r in view.records)
+            if run is not None:  # what belongs to the store as a whole is reported once, with the main run
+                view.outside, view.flagged, view.moved, view.failed, view.events, view.ablation = [], [], {}, {}, [], None
+            out.append(view)
+        return out
 
     def x(self) -> list[float]:
         """Tokens seen (the step when tokens are unknown: ``has_tokens`` says which)."""
@@ -326,11 +356,42 @@ def _value(v: Any, has_tokens: bool) -> str:
     return _fmt(v)
 
 
+def _provenance_lines(s: Store) -> list[str]:
+    """Revisions outside the trajectory, duplicated weights and moved branches (issue 20)."""
+    lines: list[str] = []
+    if s.outside:
+        lines += ["Outside the trajectory (named, but no step in the name: measured, not drawn):", ""]
+        lines += ["| revision | commit | sink rate | ind >= 50x |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['revision']} | {(r.get('commit') or '—')[:10]} | {_fmt(r.get('sink_rate'))} | {_fmt(r.get('n_induction_ge50'))} |"
+            for r in s.outside
+        ] + [""]
+    if s.flagged:
+        groups = {tuple(r.get("duplicate_group") or [r["revision"]]): r for r in s.flagged}
+        lines += [
+            "Duplicated weights: revisions whose weight files are another revision's (identical, or a shared file such as a "
+            "shard: EleutherAI/pythia#205, #206). Flagged as a group, not drawn, left out of the stages:",
+            "",
+            "| revisions | duplicate_of | kind |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {', '.join(g)} | {r['duplicate_of']} | {r.get('duplicate_kind', '—')} |" for g, r in groups.items()] + [""]
+    if s.moved:
+        lines += ["Moved branches (measured again at the new commit; the latest record is the one drawn):", ""]
+        lines += ["| revision | commits |", "|---|---|"]
+        lines += [f"| {rev} | moved: {' -> '.join(c[:10] for c in commits)} |" for rev, commits in s.moved.items()] + [""]
+    return lines
+
+
 PROTOCOL_NOTE = {
     "paper": "the paper's protocol (SPEC §8): its numbers are directly comparable",
     "sinkwatch": (
         "sinkwatch's protocol (float32 statistics, PR over every sequence): NOT the paper's precision choices, so heads near "
         "30x/50x can differ from its tables for that reason alone; rerun with `--protocol paper` for a like-for-like comparison"
+    ),
+    "custom": (
+        "a recipe's measurement changed by options (its probes or dtype; see what changed below): NOT the recipe's "
+        "protocol, so its numbers are not the paper's even where the precision choices are"
     ),
 }
 
@@ -588,6 +649,7 @@ def build_report(
     loaded = [Store(p, reference) for p in stores]
     out = Path(out_dir) if out_dir else loaded[0].path / "report"
     out.mkdir(parents=True, exist_ok=True)
+    loaded = [view for s in loaded for view in s.series()]  # a parallel run is its own series
     figures = [
         figure_sink_heads(loaded, out, reference),
         figure_final_layers(loaded, out, reference),
@@ -603,9 +665,13 @@ def build_report(
             md += [f"![{name}]({name})", ""]
     for i, s in enumerate(loaded):
         md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see SPEC §8')}.", ""]
+        changes = list(dict.fromkeys(c for r in s.records for c in r.get("protocol_changes") or []))
+        if changes:
+            md += [f"What changed from recipe protocol {s.records[-1].get('protocol_base')}: " + "; ".join(changes) + ".", ""]
         if not s.has_tokens:
             md += [f"Tokens seen are unknown for these records: figures show the {_x_label([s])}.", ""]
         md += _trajectory_table(s) + [""]
+        md += _provenance_lines(s)
         if s.failed:
             md += (
                 ["Failed revisions (recorded with their reason; rerun to retry):", ""]

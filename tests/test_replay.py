@@ -48,7 +48,8 @@ def test_revisions_are_listed_from_the_local_cache(cache):
     """Revisions are listed from the local cache in training order."""
     repo, cache_dir = cache
     revs = list_revisions(repo, cache_dir=cache_dir)
-    assert training_order(revs) == ["step0", "step100", "step300", "step600", "step900", "step1300"]
+    assert [r.name for r in training_order(revs)] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
+    assert all(len(r.commit) == 40 for r in revs)  # each with the commit its ref names (the cache's refs/<rev> file)
 
 
 def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, tmp_path):

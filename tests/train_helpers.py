@@ -50,6 +50,17 @@ class LitLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class LitTiny(LitLM):
+    """LitLM around ``tiny_models.build(family)``, rebuilt from its saved hyperparameters
+    (``LitTiny.load_from_checkpoint(path)``: what ``sinkwatch replay DIR --lightning-module`` calls)."""
+
+    def __init__(self, family: str = "llama", lr: float = 3e-3, seed: int = 0):
+        from tiny_models import build
+
+        super().__init__(build(family, seed=seed), lr)
+        self.save_hyperparameters()
+
+
 # ---- a nanoGPT-style model, not a transformers model -----------------------------------------------
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):

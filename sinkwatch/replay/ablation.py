@@ -82,7 +82,7 @@ def _stored_record(out_dir, revision: str, key: dict) -> dict | None:
 
 
 def run_ablation(
-    monitor: Monitor, recipe: Recipe, revision: str, *, out_dir, key: dict, dtype: str, device=None, cache_dir=None, bar=None
+    monitor: Monitor, recipe: Recipe, revision: str, *, out_dir, key: dict, dtype: str, device=None, cache_dir=None, bar=None, load=None
 ) -> dict:
     """Group ablation of the >= 50x induction circuit at ``revision``, written to ``DIR/ablation.json``.
 
@@ -92,6 +92,11 @@ def run_ablation(
     "sinkwatch": the replay's dtype and ``Monitor.ablate``'s own draw. Done already (same key): skipped.
     A failure is written with its reason and warned about; a rerun retries it. Returns the result.
     """
+    if load is None:  # ``load(revision, dtype)``: the replay's loader (a hub revision by its listed commit, a local checkpoint)
+
+        def load(rev, dt):
+            return load_model(recipe.model, revision=rev, dtype=dt, device=device, cache_dir=cache_dir)
+
     wanted = ablation_key(key, revision)
     stored = read_ablation(out_dir)
     if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == wanted:
@@ -107,7 +112,7 @@ def run_ablation(
         screen = {"screen": "record"}
         if record is None:
             _status(bar, revision, "screen for the ablation")
-            model = load_model(recipe.model, revision=revision, dtype=dtype, device=device, cache_dir=cache_dir)
+            model = load(revision, dtype)
             if paper and dtype in ("float16", "bfloat16"):
                 model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
             record = monitor.probe(model, track=False, revision=revision, model_name=recipe.model).to_record()
@@ -121,7 +126,7 @@ def run_ablation(
             model = None
             gc.collect()
             _status(bar, revision, f"load in {abl_dtype} for the ablation")
-            model = load_model(recipe.model, revision=revision, dtype=abl_dtype, device=device, cache_dir=cache_dir)
+            model = load(revision, abl_dtype)
         else:
             model.set_attn_implementation("sdpa")  # the screen's eager attention was for its rounding only
         _status(bar, revision, f"ablation of {len(heads)} head(s)")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Files that hold weights: the ones a fingerprint covers and a plan sizes (configs and tokenizers are small).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 
 
+# Training state beside the weights (the HF Trainer's checkpoint-N/): same suffixes, not the model's weights
+NOT_WEIGHTS = re.compile(r"(training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|trainer_state\.json)")
+
+
 def is_weight_file(path: str) -> bool:
-    return path.endswith(WEIGHT_SUFFIXES)
+    return path.endswith(WEIGHT_SUFFIXES) and not NOT_WEIGHTS.fullmatch(path.rsplit("/", 1)[-1])
 
 
 @dataclass(frozen=True)

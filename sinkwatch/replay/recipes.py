@@ -1,7 +1,12 @@
-"""Replay recipes: what to replay (a hub model, its revisions, dtype, probes, protocol), packaged or from YAML."""
+"""Replay recipes: what to replay (a hub model, its revisions, dtype, probes, protocol), packaged or from YAML.
+
+A recipe is found by path (``recipes/x.yaml``), by name in the directory ``SINKWATCH_RECIPES`` names
+(a team's own recipes; they take precedence over packaged ones of the same name), or by name among
+the packaged ones (``pythia-1b``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -10,6 +15,9 @@ import yaml
 
 from ..monitor import PROTOCOLS
 from ..probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
+from .revisions import compile_pattern
+
+RECIPES_ENV = "SINKWATCH_RECIPES"  # a directory of the user's own recipe files (NAME.yaml)
 
 
 # ---- recipes -------------------------------------------------------------------------------------------
@@ -30,8 +38,14 @@ class Recipe:
     heads_per_layer: int | None = None
     protocol: str = "sinkwatch"  # the packaged recipes say "paper" (SPEC §8)
     ablation_revision: str | None = None  # where the paper ran its group ablation (Pythia step143000, OLMo/OLMoE main)
+    # a regex for revision names no built-in scheme reads (named groups step, tokens, stage, run), tried first
+    revision_pattern: str | None = None
+    # the file this recipe was loaded from (not a YAML key): options that change what it measures
+    # make the records protocol "custom" (or are refused under --protocol paper)
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        compile_pattern(self.revision_pattern)  # a bad pattern is an error now, not a silent empty listing
         if self.revisions is not None and self.log_spaced is not None:
             raise ValueError("give revisions or log_spaced, not both")
         if self.protocol not in PROTOCOLS:
@@ -56,26 +70,44 @@ class Recipe:
 
 
 def packaged_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("sinkwatch.recipes").iterdir() if p.name.endswith(".yaml"))
+    """Recipe names: the packaged ones and those in the ``SINKWATCH_RECIPES`` directory."""
+    return sorted({p.name[:-5] for p in resources.files("sinkwatch.recipes").iterdir() if p.name.endswith(".yaml")} | set(_user_recipes()))
+
+
+def _user_recipes() -> dict[str, Path]:
+    d = os.environ.get(RECIPES_ENV)
+    if not d or not Path(d).is_dir():
+        return {}
+    return {p.stem: p for p in sorted(Path(d).iterdir()) if p.suffix in (".yaml", ".yml")}
 
 
 def load_recipe(spec: str) -> Recipe:
-    """A recipe from a YAML path or a packaged recipe name (``pythia-1b``)."""
+    """A recipe from a YAML path, a name in the ``SINKWATCH_RECIPES`` directory, or a packaged name (``pythia-1b``)."""
     path = Path(spec)
+    user = _user_recipes()
     if path.suffix in (".yaml", ".yml") and path.exists():
-        text = path.read_text()
-    elif spec in packaged_recipes():
-        text = resources.files("sinkwatch.recipes").joinpath(f"{spec}.yaml").read_text()
+        text, source = path.read_text(), str(path)
+    elif spec in user:
+        text, source = user[spec].read_text(), str(user[spec])
+    elif resources.files("sinkwatch.recipes").joinpath(f"{spec}.yaml").is_file():
+        text, source = resources.files("sinkwatch.recipes").joinpath(f"{spec}.yaml").read_text(), spec
     else:
-        raise FileNotFoundError(f"no recipe {spec!r}: give a .yaml path or one of {packaged_recipes()}")
+        where = os.environ.get(RECIPES_ENV)
+        hint = (
+            f" ({RECIPES_ENV}={where} is not a directory)"
+            if where and not Path(where).is_dir()
+            else f" (or set {RECIPES_ENV} to a directory of NAME.yaml files)"
+        )
+        raise FileNotFoundError(f"no recipe {spec!r}: give a .yaml path or one of {packaged_recipes()}{hint}")
     data = yaml.safe_load(text) or {}
     if "revisions" in data and data["revisions"] is not None:
         data["revisions"] = tuple(str(r) for r in data["revisions"])
-    allowed = set(Recipe.__dataclass_fields__)
+    allowed = set(Recipe.__dataclass_fields__) - {"source"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ValueError(f"recipe {spec}: unknown keys {unknown}; valid: {sorted(allowed)}")
-    return Recipe(**data)
+    data.setdefault("name", path.stem if path.suffix in (".yaml", ".yml") else spec)
+    return Recipe(**data, source=source)
 
 
 def is_recipe(spec: str) -> bool:

@@ -1,20 +1,53 @@
-"""Revisions of a run: their names, steps and tokens, training order, listing from the hub or a local cache."""
+"""Revisions of a run: their names (steps, tokens, stages, parallel runs), training order, log-spaced
+selection, and listing from the hub or a local cache with the commit each name resolved to.
+
+Naming schemes in use (each a full match of the name; ``revision_pattern`` of a recipe is tried first):
+
+==========================================  ==============================================================
+``step143000``, ``step11000-tokens23B``       Pythia, OLMo-1 / OLMoE
+``stage1-step928646-tokens3896B``             OLMo-2/3; ``stage2-ingredient1-step1000-tokens5B`` is run
+                                              ``stage2-ingredient1``, a parallel run after stage 1
+``step-125000``, ``step-001000-2BT``          SmolLM2; FineWeb ablation models (2BT: 2 billion tokens)
+``iter_0373000``                              Megatron-LM conversions
+``checkpoint-1000``                           the HF Trainer's ``output_dir``
+==========================================  ==============================================================
+
+A name without a step (``main``, a tag) is no point of a trajectory: listing leaves it out, and a
+replay takes it only when it is named. Tokens seen come from the name (``tokens23B``, ``-2BT``), else
+step x tokens_per_step. A later stage's names count tokens (and steps) from the start of that stage
+(OLMo-2: ``stage2-…-tokens5B`` is 5B tokens after stage 1's last revision), so its tokens are that
+stage's own plus the largest token count of the stage before it among the names listed together;
+without that stage in the listing they are unknown (None), never drawn as if training started there.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from ..loading import HubUnreachableError, _is_network_error, hub_offline
 
-_STEP = re.compile(r"step(\d+)")
-_TOKENS = re.compile(r"tokens(\d+(?:\.\d+)?)([KMBT])", re.IGNORECASE)
-_UNITS = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+_NUM = r"\d+(?:\.\d+)?"
+_TOKENS = rf"{_NUM}[KMBT]"
+# (what it is, the full-match pattern); named groups: step, tokens, stage, run
+SCHEMES: tuple[tuple[str, re.Pattern], ...] = (
+    ("stepN / stepN-tokensNB (Pythia, OLMo-1)", re.compile(rf"step(?P<step>\d+)(?:-tokens(?P<tokens>{_TOKENS}))?", re.IGNORECASE)),
+    (
+        "stageK-…-stepN-tokensNB (OLMo-2/3)",
+        re.compile(rf"stage(?P<stage>\d+)-(?:(?P<run>[A-Za-z][\w.]*?)-)?step(?P<step>\d+)(?:-tokens(?P<tokens>{_TOKENS}))?", re.IGNORECASE),
+    ),
+    ("step-N / step-N-xBT (SmolLM2, FineWeb ablations)", re.compile(rf"step-(?P<step>\d+)(?:-(?P<tokens>{_TOKENS})T)?", re.IGNORECASE)),
+    ("iter_N (Megatron-LM)", re.compile(r"iter_(?P<step>\d+)")),
+    ("checkpoint-N (HF Trainer)", re.compile(r"checkpoint-(?P<step>\d+)")),
+)
+PATTERN_GROUPS = ("step", "tokens", "stage", "run")
 
 
 @dataclass(frozen=True)
@@ -25,8 +58,10 @@ class Revision:
     training (None when the name does not say); ``run``: which trajectory it belongs to when a model
     publishes parallel ones (OLMo-2's stage-2 ingredients), None for the main one; ``commit``: the
     commit a hub branch resolved to when listed (weights are fetched by it, so a branch that moves
-    mid-run cannot mix); ``path``: a local folder or file holding the weights (a user's own run), in
-    which case nothing is downloaded.
+    mid-run cannot mix); for a local revision, the fingerprint of its weight files (a rewritten
+    checkpoint is then measured again); ``path``: a local folder or file holding the weights (a
+    user's own run), in which case nothing is downloaded; ``stage``: the training stage its name
+    gives (OLMo-2's ``stage2-…``), None when the name has none.
     """
 
     name: str
@@ -35,62 +70,248 @@ class Revision:
     run: str | None = None
     commit: str | None = None
     path: str | None = None
+    stage: int | None = None
 
 
-# ---- revisions -----------------------------------------------------------------------------------------
-def revision_step(name: str) -> int | None:
-    m = _STEP.search(name)
-    return int(m.group(1)) if m else None
+R = TypeVar("R", str, Revision, dict)
 
 
-def revision_tokens(name: str, tokens_per_step: int | None = None) -> int | None:
-    """Tokens seen at a revision: from its name (``...-tokens23B``), else step x tokens_per_step."""
-    m = _TOKENS.search(name)
-    if m:
-        return int(round(float(m.group(1)) * _UNITS[m.group(2).upper()]))
-    step = revision_step(name)
-    if step is not None and tokens_per_step:
-        return step * tokens_per_step
+# ---- names ----------------------------------------------------------------------------------------------
+def compile_pattern(pattern: str | re.Pattern | None) -> re.Pattern | None:
+    """A recipe's ``revision_pattern``, checked: a valid regex with at least the named group ``step``
+    (and no named group other than step, tokens, stage, run)."""
+    if pattern is None or isinstance(pattern, re.Pattern):
+        return pattern
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"revision_pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    groups = set(compiled.groupindex)
+    if "step" not in groups:
+        raise ValueError(
+            f"revision_pattern {pattern!r} needs a named group (?P<step>\\d+) (optional: tokens, stage, run), "
+            r"e.g. 'ckpt-(?P<step>\d+)'"
+        )
+    unknown = groups - set(PATTERN_GROUPS)
+    if unknown:
+        raise ValueError(f"revision_pattern {pattern!r} has unknown named groups {sorted(unknown)}; valid: {list(PATTERN_GROUPS)}")
+    return compiled
+
+
+def parse_tokens(text: str) -> int:
+    """``23B`` -> 23e9, ``1.5T``, ``614K``; a bare number is a token count."""
+    m = re.fullmatch(rf"({_NUM})([KMBT]?)", text.strip(), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read a token count from {text!r} (a number with an optional K/M/B/T unit)")
+    return int(round(float(m.group(1)) * _UNITS[m.group(2).upper()]))
+
+
+def _match(name: str, pattern: re.Pattern | None) -> re.Match | None:
+    if pattern is not None:
+        m = pattern.fullmatch(name)
+        if m:
+            return m
+    for _, scheme in SCHEMES:
+        m = scheme.fullmatch(name)
+        if m:
+            return m
     return None
 
 
-def training_order(revisions: Sequence[str]) -> list[str]:
-    """Revisions sorted by step (names without a step go last, in their given order)."""
-    with_step = [r for r in revisions if revision_step(r) is not None]
-    without = [r for r in revisions if revision_step(r) is None]
-    return sorted(with_step, key=revision_step) + without
+def parse_revision(
+    name: str, *, pattern: str | re.Pattern | None = None, tokens_per_step: int | None = None, commit: str | None = None
+) -> Revision:
+    """Step, tokens, stage and run of one name (no other names known: a later stage's tokens are its own
+    count; ``parse_revisions`` adds the stages before it)."""
+    m = _match(name, compile_pattern(pattern))
+    if m is None:
+        return Revision(name, commit=commit)
+    g = {k: v for k, v in m.groupdict().items() if v is not None}
+    step = int(g["step"]) if "step" in g else None
+    stage = int(g["stage"]) if "stage" in g else None
+    run = g.get("run")
+    if run is not None and m.re is SCHEMES[1][1]:
+        run = f"stage{stage}-{run}"  # OLMo-2's ingredients: the stage is part of the run's name
+    tokens = parse_tokens(g["tokens"]) if "tokens" in g else None
+    if tokens is None and step is not None and tokens_per_step:
+        tokens = step * tokens_per_step
+    return Revision(name, step=step, tokens=tokens, run=run, commit=commit, stage=stage)
 
 
-def select_log_spaced(revisions: Sequence[str], count: int) -> list[str]:
-    """About ``count`` revisions whose steps are closest to log-spaced targets (first and last kept)."""
-    ordered = [r for r in training_order(revisions) if revision_step(r) is not None]
-    if len(ordered) <= count:
-        return ordered
-    steps = np.array([max(revision_step(r), 1) for r in ordered], dtype=float)
-    targets = np.geomspace(steps[0], steps[-1], num=count)
-    picked = {int(np.argmin(np.abs(np.log(steps) - np.log(t)))) for t in targets}
-    return [ordered[i] for i in sorted(picked)]
+def parse_revisions(
+    names: Iterable[str],
+    *,
+    pattern: str | re.Pattern | None = None,
+    tokens_per_step: int | None = None,
+    commits: dict[str, str | None] | None = None,
+) -> list[Revision]:
+    """Every name parsed, a later stage's tokens continued from the stage before it, in training order."""
+    pattern = compile_pattern(pattern)
+    commits = commits or {}
+    revs = [parse_revision(n, pattern=pattern, tokens_per_step=tokens_per_step, commit=commits.get(n)) for n in dict.fromkeys(names)]
+    return training_order(_continue_stages(revs))
 
 
-def list_revisions(model: str, *, cache_dir: str | None = None) -> list[str]:
-    """Branch names of a hub model via ``huggingface_hub.list_repo_refs`` (never computed).
+def _continue_stages(revs: list[Revision]) -> list[Revision]:
+    """Tokens of stage K >= 2 = their own + the largest (already continued) count of stage K - 1."""
+    stages = sorted({r.stage for r in revs if r.stage is not None})
+    end: dict[int, int | None] = {}
+    out = {id(r): r for r in revs}
+    for k in stages:
+        members = [r for r in revs if r.stage == k]
+        if k >= 2:
+            offset = end.get(k - 1)
+            for r in members:
+                out[id(r)] = replace(r, tokens=None if offset is None or r.tokens is None else r.tokens + offset)
+        counted = [out[id(r)].tokens for r in members if out[id(r)].tokens is not None]
+        end[k] = max(counted) if counted else None
+    return [out[id(r)] for r in revs]
 
-    Offline (``HF_HUB_OFFLINE=1``), the refs of the local cache are listed instead.
-    """
+
+def as_revision(item: str | Revision | dict, pattern: str | re.Pattern | None = None) -> Revision:
+    """A name (parsed), a Revision (itself) or a stored record (its revision, step, run and stage)."""
+    if isinstance(item, Revision):
+        return item
+    if isinstance(item, dict):
+        return Revision(
+            item.get("revision") or "", step=item.get("step"), tokens=item.get("tokens"), run=item.get("run"), stage=item.get("stage")
+        )
+    return parse_revision(item, pattern=pattern)
+
+
+def order_key(item: str | Revision | dict, pattern: str | re.Pattern | None = None) -> tuple:
+    """Training order: revisions with a step first, by stage, then run (the main run before parallel
+    ones), then step; names without a step last."""
+    r = as_revision(item, pattern)
+    return (r.step is None, r.stage or 0, r.run or "", r.step or 0)
+
+
+def training_order(items: Sequence[R], pattern: str | re.Pattern | None = None) -> list[R]:
+    """Names, Revisions or records sorted into training order (stable; names without a step go last,
+    in their given order)."""
+    pattern = compile_pattern(pattern)
+    return sorted(items, key=lambda x: order_key(x, pattern))
+
+
+def revision_step(name: str, pattern: str | re.Pattern | None = None) -> int | None:
+    return parse_revision(name, pattern=pattern).step
+
+
+def revision_tokens(name: str, tokens_per_step: int | None = None, pattern: str | re.Pattern | None = None) -> int | None:
+    """Tokens seen at a revision: from its name (``...-tokens23B``, ``-2BT``), else step x tokens_per_step."""
+    return parse_revision(name, pattern=pattern, tokens_per_step=tokens_per_step).tokens
+
+
+def runs_of(items: Sequence[R], pattern: str | re.Pattern | None = None) -> dict[str | None, list[R]]:
+    """The trajectory points (items with a step) grouped by run (None: the main run), each in training order."""
+    out: dict[str | None, list[R]] = {}
+    for item in training_order(items, pattern):
+        r = as_revision(item, pattern)
+        if r.step is not None:
+            out.setdefault(r.run, []).append(item)
+    return out
+
+
+def lineage(items: Sequence[R], run: str | None, pattern: str | re.Pattern | None = None) -> list[R]:
+    """What a run's stages are derived over, in training order: the main run's points for the main run;
+    for a parallel run (an OLMo-2 ingredient), the main run's points before it, then its own."""
+    groups = runs_of(items, pattern)
+    main = groups.get(None, [])
+    if run is None:
+        return main
+    own = groups.get(run, [])
+    if not own:
+        return []
+    first = order_key(own[0], pattern)
+    return [m for m in main if order_key(m, pattern) < first] + own
+
+
+def select_log_spaced(items: Sequence[R], count: int, pattern: str | re.Pattern | None = None) -> list[R]:
+    """``count`` revisions of each run whose steps are closest to log-spaced targets (first and last
+    kept; each target takes the nearest revision not taken yet, so exactly ``count`` when there are as
+    many). Names without a step are never picked."""
+    picked: list[R] = []
+    for members in runs_of(items, pattern).values():
+        if len(members) <= count:
+            picked += members
+            continue
+        logs = np.log([max(as_revision(m, pattern).step, 1) for m in members])
+        targets = np.linspace(logs[0], logs[-1], num=count)
+        taken = {0, len(members) - 1}
+        for t in targets[1:-1]:
+            free = [i for i in range(len(members)) if i not in taken]
+            taken.add(min(free, key=lambda i: (abs(logs[i] - t), i)))
+        picked += [members[i] for i in sorted(taken)]
+    return training_order(picked, pattern)
+
+
+# ---- listing ------------------------------------------------------------------------------------------
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
+    """Every branch and tag of a hub model with the commit it points at (``list_repo_refs``'
+    ``target_commit``). Offline (``HF_HUB_OFFLINE=1``), the refs of the local cache (``refs/<name>``
+    files holding the commit id)."""
     import huggingface_hub
 
     if not hub_offline():
         try:
             refs = huggingface_hub.list_repo_refs(model)
-            return [b.name for b in refs.branches]
         except Exception as exc:  # noqa: BLE001 - classified: network problems get advice
             if _is_network_error(exc):
                 raise HubUnreachableError(_offline_advice(model)) from exc
             raise
-    refs = _cache_repo_dir(model, cache_dir) / "refs"
-    if not refs.is_dir():
+        return {ref.name: ref.target_commit for ref in [*refs.branches, *(refs.tags or [])]}
+    refs_dir = _cache_repo_dir(model, cache_dir) / "refs"
+    if not refs_dir.is_dir():
         raise HubUnreachableError(_offline_advice(model))
-    return sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file())
+    return {str(p.relative_to(refs_dir)): p.read_text().strip() for p in sorted(refs_dir.rglob("*")) if p.is_file()}
+
+
+def list_revisions(
+    model: str,
+    *,
+    cache_dir: str | None = None,
+    pattern: str | re.Pattern | None = None,
+    tokens_per_step: int | None = None,
+    stepless: bool = False,
+) -> list[Revision]:
+    """The revisions of a hub model (``huggingface_hub.list_repo_refs``; names are never computed),
+    each with its commit, in training order. Names without a step (``main``, tags) only with ``stepless``."""
+    refs = list_refs(model, cache_dir=cache_dir)
+    revs = parse_revisions(refs, pattern=pattern, tokens_per_step=tokens_per_step, commits=refs)
+    return revs if stepless else [r for r in revs if r.step is not None]
+
+
+def resolve_revisions(
+    model: str,
+    names: Sequence[str] | None = None,
+    *,
+    cache_dir: str | None = None,
+    pattern: str | re.Pattern | None = None,
+    tokens_per_step: int | None = None,
+    log_spaced: int | None = None,
+) -> tuple[list[Revision], dict[str, str]]:
+    """What a hub replay measures: the ``names`` asked for (a recipe's, ``--revisions``) or every listed
+    revision with a step, then ``log_spaced`` of them; each with its commit, in training order.
+    Returns them and the model's refs (name -> commit, ``main`` included: what duplicates are named by).
+
+    A named revision that is no ref keeps no commit (a commit id is its own): loading it then fails
+    and is recorded as failed. Names are parsed together with every ref, so a stage-2 name given
+    alone still continues from stage 1's listed end."""
+    refs = list_refs(model, cache_dir=cache_dir)
+    pattern = compile_pattern(pattern)
+    commits = {**{n: n for n in (names or ()) if _COMMIT.fullmatch(n)}, **refs}
+    every = parse_revisions([*refs, *(names or ())], pattern=pattern, tokens_per_step=tokens_per_step, commits=commits)
+    if names is None:
+        revs = [r for r in every if r.step is not None]
+    else:
+        wanted = set(names)
+        revs = [r for r in every if r.name in wanted]
+    if log_spaced:
+        revs = select_log_spaced(revs, log_spaced)
+    return revs, refs
 
 
 def _cache_repo_dir(model: str, cache_dir: str | None) -> Path:
@@ -118,3 +339,8 @@ def check_hub(model: str) -> None:
     except Exception as exc:  # noqa: BLE001
         if _is_network_error(exc):
             raise HubUnreachableError(_offline_advice(model)) from exc
+
+
+def describe_schemes() -> str:
+    """The naming schemes, for error messages and docs."""
+    return "; ".join(name for name, _ in SCHEMES)

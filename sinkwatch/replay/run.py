@@ -11,15 +11,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..loading import HubUnreachableError, load_model
+from ..loading import HubUnreachableError
 from ..monitor import PAPER_PR_SEQUENCES, Monitor, MonitorConfig
 from ..probes import ProbeSet
 from ..stages import StageTracker
 from .ablation import ablation_key, check_ablation, run_ablation
 from .progress import _progress, _status
+from .protocol import resolve_protocol
+from .provenance import device_of, provenance, warn_duplicates
 from .recipes import Recipe
-from .revisions import check_hub, list_revisions, revision_step, revision_tokens, select_log_spaced, training_order
-from .store import ReplayStore, replay_key, shard_from_env
+from .revisions import Revision, lineage
+from .source import RevisionSource, revision_source
+from .store import ReplayStore, done_key, key_of, record_done_key, replay_key, shard_from_env
 
 
 # ---- replay ------------------------------------------------------------------------------------------------
@@ -42,12 +45,19 @@ def replay(
     protocol: str | None = None,
     ablate: bool | None = None,
     ablation_revision: str | None = None,
+    lightning_module: str | None = None,
+    live_store: str | None = None,
+    skip_duplicates: bool = False,
 ) -> list[dict]:
     """Replay revisions of a hub model (or a ``Recipe``); returns this shard's rows (ok and failed).
 
-    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``). They
-    are replayed in training order; shard K of N takes every N-th one (from RANK/WORLD_SIZE under
-    torchrun or accelerate launch, or given).
+    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``); ``model``
+    may also be a local folder of checkpoints (``sinkwatch.replay.local``: HF Trainer, save_pretrained,
+    OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``). They are replayed in
+    training order; shard K of N takes every N-th one (from RANK/WORLD_SIZE under torchrun or
+    accelerate launch, or given). Each record carries the commit its branch resolved to (the weights
+    are loaded by it), a fingerprint of its weights, the versions and the device; revisions whose
+    weights are not their own are flagged (``duplicate_of``) and, with ``skip_duplicates``, not measured.
 
     ``protocol``: "paper" reproduces Xu 2026's precision choices (SPEC §8: float16 models probed
     through eager float16 attention, PR from a float16 pass over the first 500 sequences), "sinkwatch"
@@ -60,37 +70,38 @@ def replay(
     an ablation revision (the packaged recipes do), else off. Only shard 0 runs it.
     """
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
-    revs = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
-    log_spaced = log_spaced or recipe.log_spaced
-    check_hub(recipe.model)
-    if revs is None:
-        revs = list_revisions(recipe.model, cache_dir=cache_dir)
-        if log_spaced:
-            revs = select_log_spaced(revs, log_spaced)
-    elif log_spaced:
-        revs = select_log_spaced(revs, log_spaced)
-    if not revs:
+    names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
+    tps = tokens_per_step or recipe.tokens_per_step
+    # ---- what to measure, with commits and weights (replay-provenance: revisions, local, provenance) ----
+    label = resolve_protocol(recipe, probes=probes, dtype=dtype, protocol=protocol or (monitor_config.protocol if monitor_config else None))
+    source = revision_source(
+        recipe, names, log_spaced=log_spaced or recipe.log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
+        lightning_module=lightning_module, live_store=live_store,
+    )  # fmt: skip
+    flags = source.duplicates()
+    warn_duplicates(recipe.model, flags)
+    ordered = [r for r in source.revisions if not (skip_duplicates and r.name in flags)]  # --skip-duplicates: never downloaded
+    if not ordered:
         raise ValueError(f"no revisions to replay for {recipe.model}")
-    ordered = training_order(revs)
     k, n = shard or shard_from_env()
     mine = ordered[k::n]
     store = ReplayStore(out_dir, (k, n))
-    tps = tokens_per_step or recipe.tokens_per_step
-    cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)
-    protocol = protocol or (cfg.protocol if monitor_config is not None else recipe.protocol)
+    cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
+    protocol = label.computation
     cfg = dataclasses.replace(cfg, protocol=protocol)
-    probe_list = list(probes) if probes is not None else recipe.probe_recipes()
+    probe_list = list(probes) if probes is not None else (source.live_probes() or recipe.probe_recipes())
     dtype = dtype or recipe.dtype
-    key = replay_key(recipe.model, dtype, protocol, probe_list)
+    key = replay_key(recipe.model, dtype, label.label, probe_list)
     store.check(key)
     ablation_rev = ablation_revision or recipe.ablation_revision
     if ablate is None:
         ablate = protocol == "paper" and ablation_rev is not None
     ablate = bool(ablate) and k == 0
     if ablate:
-        ablation_rev = ablation_rev or ordered[-1]
+        ablation_rev = ablation_rev or ordered[-1].name
         check_ablation(out_dir, ablation_key(key, ablation_rev))  # refused before anything is probed
-    done = store.done(key)
+    # done = a successful record with this replay key, revision name and commit (a moved branch is new)
+    done = {record_done_key(r) for r in store.rows() if r.get("status", "ok") == "ok" and "n_layers" in r and key_of(r) == key}
     pr_monitor = None
     if protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in probe_list):
         # the paper's PR ran separately (its per-head scripts): float16, default attention, first 500 sequences
@@ -102,11 +113,12 @@ def replay(
     rows = []
     bar = _progress(mine, progress, recipe.model)
     for rev in bar:
-        step, tokens = revision_step(rev), revision_tokens(rev, tps)
-        if rev in done:
-            _status(bar, rev, "done already")
+        if done_key(key, rev.name, rev.commit) in done:
+            _status(bar, rev.name, "done already")
             continue
-        row = _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_dir, bar, key=key, pr_monitor=pr_monitor)
+        # what the record says it measured (replay-provenance): commit, fingerprint, duplicates, versions, protocol label
+        about = {**provenance(rev, source.weights.get(rev.name), flags.get(rev.name)), **label.record_fields()}
+        row = _replay_one(monitor, store, source, rev, dtype, device, bar, key=key, pr_monitor=pr_monitor, about=about)
         rows.append(row)
         if reporter is not None and row.get("status", "ok") == "ok":
             try:
@@ -117,7 +129,10 @@ def replay(
     if reporter is not None:
         reporter.finish()
     if ablate:
-        run_ablation(monitor, recipe, ablation_rev, out_dir=out_dir, key=key, dtype=dtype, device=device, cache_dir=cache_dir, bar=bar)
+        run_ablation(
+            monitor, recipe, ablation_rev, out_dir=out_dir, key=key, dtype=dtype, device=device, cache_dir=cache_dir, bar=bar,
+            load=lambda rev, dt: source.load(rev, dtype=dt, device=device),
+        )  # fmt: skip
     return rows
 
 
@@ -128,28 +143,38 @@ def _first(probe, n: int):
     return dataclasses.replace(probe, n=min(n, probe.n))
 
 
-def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_dir, bar, *, key, pr_monitor=None) -> dict:
-    base = {"model": recipe.model, "revision": rev, "step": step, "tokens": tokens}
+def _replay_one(
+    monitor, store, source: RevisionSource, rev: Revision, dtype, device, bar, *, key, pr_monitor=None, about: dict | None = None
+) -> dict:
+    base = {"model": source.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, **(about or {})}
     t0 = time.perf_counter()
     model = None
     paper = monitor.config.protocol == "paper"
     try:
-        _status(bar, rev, "load")
-        model = load_model(recipe.model, revision=rev, dtype=dtype, device=device, cache_dir=cache_dir)
+        _status(bar, rev.name, "load")
+        model = source.load(rev, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
         if paper and dtype in ("float16", "bfloat16"):
             # the paper's attention weights came from eager half-precision attention (output_attentions):
             # every layer's input must come from the same forward for its numbers to carry over
             model.set_attn_implementation("eager")
-        _status(bar, rev, "probe")
-        monitor.tracker = _tracker_before(store, step, monitor.config.stages)
-        snap = monitor.probe(model, step=step, tokens=tokens, revision=rev, model_name=recipe.model)
+        _status(bar, rev.name, "probe")
+        monitor.tracker = _tracker_before(store, rev, monitor.config.stages)
+        snap = monitor.probe(model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=source.model)
         record = snap.to_record()
         if pr_monitor is not None:
-            _status(bar, rev, "PR (float16, first 500)")
-            record.update(_paper_pr(pr_monitor, model, recipe, rev, dtype, device, cache_dir))
+            _status(bar, rev.name, "PR (float16, first 500)")
+            record.update(_paper_pr(pr_monitor, model, source, rev, dtype, device))
+        record.update(about or {})
         record.update(
-            {"status": "ok", "dtype": dtype, "replay_key": key, "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0}
+            {
+                "status": "ok",
+                "dtype": dtype,
+                "device": device_of(model),
+                "replay_key": key,
+                "load_seconds": load_s,
+                "revision_seconds": time.perf_counter() - t0,
+            }
         )
         store.append(record)  # only a complete record is ever written
         return record
@@ -158,14 +183,14 @@ def _replay_one(monitor, store, recipe, rev, step, tokens, dtype, device, cache_
     except Exception as exc:  # noqa: BLE001 - missing revision, download error, out of memory...
         failed = {**base, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
         store.append(failed)
-        warnings.warn(f"sinkwatch replay: {recipe.model}@{rev} failed ({failed['error']}); continuing", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"sinkwatch replay: {source.model}@{rev.name} failed ({failed['error']}); continuing", RuntimeWarning, stacklevel=2)
         return failed
     finally:
         del model
         gc.collect()
 
 
-def _paper_pr(pr_monitor: Monitor, model, recipe: Recipe, rev: str, dtype: str, device, cache_dir) -> dict:
+def _paper_pr(pr_monitor: Monitor, model, source: RevisionSource, rev: Revision, dtype: str, device) -> dict:
     """The paper's PR: its per-head scripts loaded each revision in float16 with the default (sdpa)
     attention and took the first 500 sequences. A float16 model is reused with sdpa switched back on;
     another dtype is loaded again in float16 (a cast of the loaded model would also cast buffers
@@ -174,7 +199,7 @@ def _paper_pr(pr_monitor: Monitor, model, recipe: Recipe, rev: str, dtype: str, 
         model.set_attn_implementation("sdpa")
         half = model
     else:
-        half = load_model(recipe.model, revision=rev, dtype="float16", device=device, cache_dir=cache_dir)
+        half = source.load(rev, dtype="float16", device=device)
     try:
         values = pr_monitor.probe(half, track=False).values
     finally:
@@ -182,13 +207,18 @@ def _paper_pr(pr_monitor: Monitor, model, recipe: Recipe, rev: str, dtype: str, 
     return {"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"}
 
 
-def _tracker_before(store: ReplayStore, step: int | None, config) -> StageTracker:
-    """A tracker that has seen every stored revision before ``step``, in training order."""
-    ok = {r["revision"]: r for r in store.rows() if r.get("status", "ok") == "ok" and r.get("revision") is not None}
+def _tracker_before(store: ReplayStore, rev: Revision, config) -> StageTracker:
+    """A tracker that has seen every stored revision before ``rev`` in its lineage (its run, and for a
+    parallel run the main run before it), in training order; flagged duplicates are no trajectory points."""
+    latest = {r["revision"]: r for r in store.rows() if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r}
+    latest.pop(rev.name, None)
+    here = {"revision": rev.name, "step": rev.step, "run": rev.run, "stage": rev.stage, "_this": True}
+    points = [r for r in latest.values() if not r.get("duplicate_of")] + [here]
     tracker = StageTracker(config)
-    for rev in training_order(list(ok)):
-        if (revision_step(rev) or 0) < (step or 0):
-            tracker.update(dict(ok[rev]))
+    for r in lineage(points, rev.run):
+        if r.get("_this"):
+            break
+        tracker.update(dict(r))
     return tracker
 
 
@@ -196,7 +226,7 @@ def _replay_wandb(mode: str, out_dir, recipe: Recipe):
     if mode == "disabled":
         return None
     try:
-        from .reporting.wandb_run import wandb_reporter
+        from ..reporting.wandb_run import wandb_reporter
 
         return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": recipe.name or recipe.model})
     except ImportError:

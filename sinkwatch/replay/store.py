@@ -13,7 +13,7 @@ from pathlib import Path
 from ..probes import ProbeSet
 from ..reporting.jsonl import append_jsonl, read_jsonl
 from ..stages import StageTracker
-from .revisions import training_order
+from .revisions import lineage, runs_of, training_order
 
 
 # ---- the store -------------------------------------------------------------------------------------------
@@ -151,7 +151,10 @@ class ReplayStore:
 
 def merged_records(store_dir: str | os.PathLike) -> list[dict]:
     """All successful records of a store (every shard), one per revision (the latest), in training
-    order, with ``p0_stage``/``induction_state`` re-derived over the merged sequence."""
+    order, with ``p0_stage``/``induction_state`` re-derived over the merged sequence — per run: a
+    parallel run (an OLMo-2 ingredient) over the main run before it, then its own records. Revisions
+    flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the report
+    lists them: ``provenance.flagged_records``)."""
     d = Path(store_dir)
     latest: dict[str, dict] = {}
     for path in sorted(d.glob("records*.jsonl")):
@@ -164,10 +167,12 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
         # a live run's store: records keyed by step
         rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
         return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0))
-    records = [latest[r] for r in training_order(list(latest))]
-    tracker = StageTracker()
-    for r in records:
-        tracker.update(r)
+    records = training_order([r for r in latest.values() if not r.get("duplicate_of")])
+    for run, own in runs_of(records).items():
+        tracker = StageTracker()
+        mine = {id(r) for r in own}
+        for r in lineage(records, run):
+            tracker.update(r if id(r) in mine else dict(r))  # the main run's records keep their own stages
     return records
 
 

@@ -1,0 +1,289 @@
+"""What each replay record measured (SPEC §8, §10): the commit its branch resolved to, a fingerprint of
+the weights, the versions and the device — and the revisions whose weights are not their own.
+
+- **Fingerprint.** sha256 over the sorted (path, sha256) of a revision's weight files. On the hub the
+  sha256 of every weight file is in its file metadata (LFS), known before any download
+  (``hub.remote_files``); in a local Hugging Face cache a snapshot's file links to ``blobs/<sha256>``
+  (the hub's ETag of an LFS file), else the file is hashed; a user's checkpoint folder is hashed.
+- **Wrong branches** (EleutherAI/pythia#205: step branches serving the final weights; #206: two
+  branches whose first shard is the final one). Revisions that share any weight file form a group
+  (connected through shared files); a group holding two or more trajectory points is flagged as a
+  whole: every member gets ``duplicate_of`` (``main`` when main is in the group, else the group's
+  first revision in training order), a warning, a row in the report, and is left out of the
+  trajectory and the stages. Expected aliases are no points: a name without a step (``main``, a tag)
+  and a later stage's step 0 (OLMo-3's ``stage2-ingredient1-step0`` is stage 1's last weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hub import is_weight_file, remote_files
+from .revisions import Revision, order_key
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 22
+
+
+# ---- weights --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Weights:
+    """A revision's weight files: path -> content sha256 (``git:<blob id>`` for a plain git file)."""
+
+    files: dict[str, str]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the sorted (path, sha256) lines: equal fingerprints, identical weight files."""
+        text = "\n".join(f"{p}\t{h}" for p, h in sorted(self.files.items()))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The content sha256 of a file; for a hub-cache snapshot link into ``blobs/<sha256>`` its target's
+    name (the hub's ETag of an LFS file is its content sha256), read without hashing gigabytes again."""
+    p = Path(path)
+    if p.is_symlink():
+        target = p.resolve().name
+        if _SHA256.fullmatch(target) and p.resolve().parent.name == "blobs":
+            return target
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_of_files(root: str | os.PathLike, paths: Iterable[str | os.PathLike] | None = None) -> Weights:
+    """The weight files under ``root`` (``hub.is_weight_file``), or the given ``paths``, hashed."""
+    root = Path(root)
+    if root.is_file():
+        return Weights({root.name: file_sha256(root)})
+    chosen = [Path(p) for p in paths] if paths is not None else [p for p in sorted(root.rglob("*")) if is_weight_file(p.name)]
+    files = {p.relative_to(root).as_posix(): file_sha256(p) for p in chosen if p.is_file()}
+    if not files:
+        raise FileNotFoundError(f"no weight files under {root}")
+    return Weights(files)
+
+
+def weights_from_hub(model: str, commit: str) -> Weights:
+    """From the hub's file metadata at ``commit``: nothing is downloaded."""
+    files = {f.path: (f.sha256 or f"git:{f.blob_id}") for f in remote_files(model, commit) if f.is_weights}
+    if not files:
+        raise FileNotFoundError(f"{model}@{commit} lists no weight files")
+    return Weights(files)
+
+
+def weights_from_cache(model: str, commit: str, cache_dir: str | None) -> Weights:
+    """From a local Hugging Face cache's snapshot of ``commit``."""
+    from .revisions import _cache_repo_dir
+
+    snapshot = _cache_repo_dir(model, cache_dir) / "snapshots" / commit
+    if not snapshot.is_dir():
+        raise FileNotFoundError(f"{model}@{commit} is not in the local cache")
+    return weights_of_files(snapshot)
+
+
+def fingerprints(model: str, revs: Sequence[Revision], *, cache_dir: str | None = None, offline: bool | None = None) -> dict[str, Weights]:
+    """name -> Weights for every revision whose weights can be read without downloading them: a local
+    revision's files, the hub's metadata (online) or the local cache (``HF_HUB_OFFLINE=1``). A revision
+    whose metadata cannot be read gets no entry (one warning): it is measured, and is never called a
+    duplicate on a guess."""
+    from ..loading import hub_offline
+
+    offline = hub_offline() if offline is None else offline
+    out: dict[str, Weights] = {}
+    missing: list[str] = []
+    for rev in revs:
+        try:
+            if rev.path is not None:
+                out[rev.name] = weights_of_files(rev.path, _local_weight_paths(rev.path))
+            elif rev.commit is None:
+                missing.append(rev.name)
+            elif offline:
+                out[rev.name] = weights_from_cache(model, rev.commit, cache_dir)
+            else:
+                out[rev.name] = weights_from_hub(model, rev.commit)
+        except Exception as exc:  # noqa: BLE001 - provenance never stops a replay; the record says it is unknown
+            missing.append(f"{rev.name} ({type(exc).__name__}: {exc})")
+    if missing:
+        warnings.warn(
+            f"sinkwatch replay: no weights fingerprint for {', '.join(missing)}; those records say weights_fingerprint: null "
+            "and are not checked for duplicates",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def _local_weight_paths(path: str) -> list[Path] | None:
+    """An OLMo-core checkpoint's weights are its ``model_and_optim`` shards (``*.distcp``)."""
+    p = Path(path)
+    shards = sorted((p / "model_and_optim").glob("*.distcp")) if p.is_dir() else []
+    return shards or None
+
+
+# ---- duplicates -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DuplicateGroup:
+    """Revisions connected by shared weight files. ``identical``: every member's weight files are the same."""
+
+    members: tuple[str, ...]  # training order
+    duplicate_of: str
+    identical: bool
+    shared_files: tuple[str, ...]  # paths of the files two or more members share
+
+    def describe(self) -> str:
+        what = "serve identical weights" if self.identical else f"share weight files ({', '.join(self.shared_files)})"
+        return f"{', '.join(self.members)} {what}"
+
+
+def _is_point(rev: Revision) -> bool:
+    """A trajectory point: a step, and not a later stage's step 0 (that stage starting from the last one)."""
+    return rev.step is not None and not ((rev.stage or 0) >= 2 and rev.step == 0)
+
+
+def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], aliases: Sequence[Revision] = ()) -> dict[str, DuplicateGroup]:
+    """name -> its group, for every revision of ``revs`` in a flagged group. ``aliases``: other refs
+    whose weights name a group (``main``) without being measured."""
+    nodes = {r.name: r for r in [*aliases, *revs] if r.name in weights}
+    parent = {n: n for n in nodes}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    owner: dict[str, str] = {}  # file sha256 -> first node holding it
+    for n in nodes:
+        for sha in set(weights[n].files.values()):
+            if sha in owner:
+                parent[find(n)] = find(owner[sha])
+            else:
+                owner[sha] = n
+    groups: dict[str, list[str]] = {}
+    for n in nodes:
+        groups.setdefault(find(n), []).append(n)
+    measured = {r.name for r in revs}
+    out: dict[str, DuplicateGroup] = {}
+    for members in groups.values():
+        if len(members) < 2 or sum(_is_point(nodes[m]) for m in members) < 2:
+            continue
+        members = sorted(members, key=lambda m: order_key(nodes[m]))
+        points = [m for m in members if _is_point(nodes[m])]
+        counts: dict[str, int] = {}
+        for m in members:
+            for sha in weights[m].files.values():
+                counts[sha] = counts.get(sha, 0) + 1
+        shared = sorted({p for m in members for p, sha in weights[m].files.items() if counts[sha] > 1})
+        group = DuplicateGroup(
+            members=tuple(members),
+            duplicate_of="main" if "main" in members else points[0],
+            identical=len({weights[m].fingerprint for m in members}) == 1,
+            shared_files=tuple(shared),
+        )
+        for m in members:
+            if m in measured:
+                out[m] = group
+    return out
+
+
+def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
+    for group in {g.members: g for g in flags.values()}.values():
+        warnings.warn(
+            f"sinkwatch replay: {model}: {group.describe()} — flagged as a group (duplicate_of={group.duplicate_of}) and left out "
+            "of the trajectory and the stages: a published branch whose weights are not its own (see EleutherAI/pythia#205, "
+            "#206). Their records are kept and listed in the report; --skip-duplicates does not measure them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+# ---- what a record says about itself ------------------------------------------------------------------
+def versions() -> dict[str, str]:
+    """The versions a record was made with (SPEC §10)."""
+    import huggingface_hub
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "sinkwatch": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "huggingface_hub": huggingface_hub.__version__,
+    }
+
+
+def device_of(model) -> str:
+    """Where the model's weights sit: ``cpu``, ``cuda:0 (NVIDIA H200)``, ``cuda:0,cuda:1`` when split."""
+    import torch
+
+    devices = sorted({str(p.device) for p in model.parameters()})
+    names = []
+    for d in devices:
+        dev = torch.device(d)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            names.append(f"{d} ({torch.cuda.get_device_name(dev)})")
+        else:
+            names.append(d)
+    return ",".join(names) if names else "none"
+
+
+def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | None) -> dict:
+    """The record keys of SPEC §10 that say what was measured (``device`` is added once loaded)."""
+    out = {
+        "commit": rev.commit,
+        "weights_fingerprint": weights.fingerprint if weights is not None else None,
+        "weight_files": dict(weights.files) if weights is not None else None,
+        "duplicate_of": group.duplicate_of if group is not None else None,
+        "versions": versions(),
+    }
+    if group is not None:
+        out["duplicate_group"] = list(group.members)
+        out["duplicate_kind"] = "identical" if group.identical else "shared files: " + ", ".join(group.shared_files)
+    if rev.run is not None:
+        out["run"] = rev.run
+    if rev.stage is not None:
+        out["stage"] = rev.stage
+    if rev.path is not None:
+        out["path"] = rev.path
+    return out
+
+
+# ---- reading a store back ----------------------------------------------------------------------------
+def stored_records(store_dir: str | os.PathLike) -> list[dict]:
+    """Every successful record of every records*.jsonl of a store (not ``*.superseded*``), in file order."""
+    from ..reporting.jsonl import read_jsonl
+
+    out = []
+    for path in sorted(Path(store_dir).glob("records*.jsonl")):
+        if ".superseded" in path.name:
+            continue
+        out += [r for r in read_jsonl(path) if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r]
+    return out
+
+
+def moved_branches(records: Sequence[dict]) -> dict[str, list[str]]:
+    """revision -> the commits its records were measured at, in the order written, for revisions
+    measured at more than one commit (a branch that moved: the latest record is the one drawn)."""
+    seen: dict[str, list[str]] = {}
+    for r in records:
+        c = r.get("commit")
+        if c is not None and c not in seen.setdefault(r["revision"], []):
+            seen[r["revision"]].append(c)
+    return {rev: commits for rev, commits in seen.items() if len(commits) > 1}
+
+
+def flagged_records(records: Sequence[dict]) -> list[dict]:
+    """The latest record of each revision flagged as a duplicate, in training order."""
+    latest = {r["revision"]: r for r in records}
+    return sorted((r for r in latest.values() if r.get("duplicate_of")), key=order_key)
