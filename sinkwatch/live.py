@@ -247,7 +247,8 @@ class LiveMonitor:
 
     def _make_reporters(self, wandb_run) -> Reporter:
         cfg = self.config
-        self.jsonl = JSONLReporter(cfg.out_dir)
+        # a store holds one run: unless a checkpoint's state resumes this one first, an earlier run's files move aside
+        self.jsonl = JSONLReporter(cfg.out_dir, new_run=True)
         reporters: list[Reporter] = [self.jsonl]
         if cfg.console:
             reporters.append(ConsoleReporter())
@@ -463,7 +464,7 @@ class LiveMonitor:
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
         if self.jsonl is not None:
-            moved = self.jsonl.rewind(self.last_probed_step)
+            moved = self.jsonl.resume(self.last_probed_step)
             if moved:
                 self._warn(
                     "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
