@@ -231,6 +231,13 @@ class LiveMonitor:
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
+        if self.config.log_spaced and self.max_steps is None:
+            self._warn(
+                "log-spaced",
+                f"sinkwatch: log_spaced={self.config.log_spaced} needs the number of optimizer steps the run will take, and the "
+                "trainer cannot say (Lightning: an iterable dataset without __len__ and no max_steps, or max_epochs=-1); no "
+                "log-spaced steps are probed (every_n_steps, the first and the last step still are). Set the trainer's max_steps.",
+            )
         if self.rank.reports_here:
             self.reporter = self._make_reporters(wandb_run)
         self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
