@@ -9,6 +9,7 @@ line, after all of those.
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from pathlib import Path
@@ -158,6 +159,9 @@ def test_hf_fresh_start_moves_aside_and_resume_appends(tmp_path):
     first = read_jsonl(out / "records.jsonl")
     second = train("b", 4)
     assert steps(out / "records.jsonl") == [0, 2, 4]
+    # the last step was probed before the Trainer saved it: its checkpoint holds that probe
+    state = json.loads((tmp_path / "b" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["SinkWatchTrainerCallback"]["attributes"]["sinkwatch_state"]["last_probed_step"] == 4
     (aside,) = moved_aside(out)
     assert read_jsonl(aside / "records.jsonl") == first
     assert len(moved_warnings(second)) == 1
