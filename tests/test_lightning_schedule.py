@@ -54,15 +54,15 @@ def test_last_probe_is_in_last_ckpt_and_a_resume_neither_loses_nor_repeats_it(tm
 
 
 def test_log_spaced_under_max_epochs_and_the_last_epoch_probe_in_last_ckpt(tmp_path):
-    """max_epochs=2 x 10 batches, log_spaced=6: probes [0, 1, 2, 3, 6, 11, 20] (Lightning's own
-    estimate of the run's steps; it gave [0, 20]), and last.ckpt, written at the last epoch's end,
-    holds the step-20 probe."""
+    """max_epochs=2 x 5 batches, log_spaced=4: probes [0, 1, 2, 5, 10] (geomspace(1, 10, 4) over
+    Lightning's own estimate of the run's steps; it gave [0, 10]), and last.ckpt, written at the
+    last epoch's end, holds the step-10 probe."""
     out, ckpt_dir = tmp_path / "sw", tmp_path / "ckpt"
-    cb = callback(out, every_n_steps=None, log_spaced=6)
-    trainer(tmp_path, [cb, ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], max_steps=-1, max_epochs=2, limit_train_batches=10,
+    cb = callback(out, every_n_steps=None, log_spaced=4)
+    trainer(tmp_path, [cb, ModelCheckpoint(dirpath=ckpt_dir, save_last=True)], max_steps=-1, max_epochs=2, limit_train_batches=5,
             enable_checkpointing=True).fit(LitLM(build("llama")), loader(batch_size=2))  # fmt: skip
-    assert steps(out / "records.jsonl") == [0, 1, 2, 3, 6, 11, 20]
-    assert saved_last_step(ckpt_dir / "last.ckpt") == 20
+    assert steps(out / "records.jsonl") == [0, 1, 2, 5, 10]
+    assert saved_last_step(ckpt_dir / "last.ckpt") == 10
 
 
 class ValLM(LitLM):
