@@ -3,6 +3,9 @@
 A ``ProbeCollector`` implements capture's ``Collector`` protocol by fanning each call out to its
 parts. Parts reduce every micro-batch at once (per sequence, per head) and keep only the reduced
 arrays on the CPU, so a 2000-sequence probe never holds more than one micro-batch of activations.
+
+Attention-derived results keep every block's index: a block without softmax attention (hybrid
+stacks) gets NaN there, and ``ProbeCollector.softmax_layers`` says which blocks ran softmax.
 """
 
 from __future__ import annotations
@@ -49,39 +52,59 @@ def eager_half_rows(query, key, scaling, rows, cols, *, window=None, softcap=Non
 class Part:
     """A statistic family; every hook is optional. ``batch`` is the current micro-batch's slice."""
 
-    def on_attention(self, batch: slice, layer, query, key, scaling, window, softcap) -> None:
+    def on_attention(self, batch: slice, layer, query, key, scaling, window, softcap, sinks) -> None:
         pass
 
     def on_attention_output(self, batch: slice, layer: int, output: torch.Tensor) -> torch.Tensor:
         return output
+
+    def on_head_output(self, batch: slice, layer: int, output: torch.Tensor) -> None:
+        pass
+
+    def on_gate(self, batch: slice, layer: int, gate: torch.Tensor) -> None:
+        pass
 
     def on_block_output(self, batch: slice, layer: int, hidden: torch.Tensor) -> None:
         pass
 
 
 def _stack_layers(per_layer: list[list[np.ndarray]]) -> np.ndarray:
-    """[layer][micro-batch] arrays of (b, ...) -> (N, L, ...)."""
-    return np.stack([np.concatenate(chunks, axis=0) for chunks in per_layer], axis=1)
+    """[layer][micro-batch] arrays of (b, ...) -> (N, L, ...); NaN for layers that saw nothing (blocks
+    without softmax attention). Every layer empty: an array of shape (0, L)."""
+    filled = [np.concatenate(chunks, axis=0) for chunks in per_layer if chunks]
+    if not filled:
+        return np.zeros((0, len(per_layer)))
+    blank = np.full_like(filled[0], np.nan, dtype=np.result_type(filled[0].dtype, np.float32))
+    return np.stack([np.concatenate(chunks, axis=0) if chunks else blank for chunks in per_layer], axis=1)
 
 
 @dataclass
 class SinkPart(Part):
-    """Per-sample sink importance alpha_k over all query rows: (N, L, H, K)."""
+    """Per-sample sink importance alpha_k over all query rows: (N, L, H, K); and, for layers with
+    learned sink logits, the learned sink's importance averaged the same way: (N, L, H)."""
 
     n_layers: int
     n_first: int = metrics.SINK_PROFILE_K
     backend: str = "auto"
     chunks: list = field(init=False)
+    learned: list = field(init=False)
 
     def __post_init__(self):
         self.chunks = [[] for _ in range(self.n_layers)]
+        self.learned = [[] for _ in range(self.n_layers)]
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
-        st = attention_stats(query, key, scaling, n_first=self.n_first, window=window, softcap=softcap, backend=self.backend)
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
+        st = attention_stats(query, key, scaling, n_first=self.n_first, window=window, softcap=softcap, sinks=sinks, backend=self.backend)
         self.chunks[layer].append(metrics.sink_alpha(st.first).cpu().numpy())
+        if sinks is not None:
+            self.learned[layer].append(metrics.learned_sink_alpha(st.lse, sinks).cpu().numpy())
 
     def result(self) -> np.ndarray:
         return _stack_layers(self.chunks)
+
+    def learned_result(self) -> np.ndarray | None:
+        """(N, L, H) learned-sink importance, NaN in layers without a learned sink; None without any."""
+        return _stack_layers(self.learned) if any(self.learned) else None
 
 
 @dataclass
@@ -104,15 +127,18 @@ class RowColumnsPart(Part):
         self.gathered = [[] for _ in range(self.n_layers)]
         self.entropy = [[] for _ in range(self.n_layers)]
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
         rows = torch.as_tensor(self.rows[batch], device=query.device)
         cols = torch.as_tensor(self.cols[batch], device=query.device)
-        if self.eager_half and query.dtype in (torch.float16, torch.bfloat16):
+        # (eager half-precision rounding reproduces the paper's models, none of which has learned sinks)
+        if self.eager_half and query.dtype in (torch.float16, torch.bfloat16) and sinks is None:
             probs, ent = eager_half_rows(query, key, scaling, rows, cols, window=window, softcap=softcap)
             self.gathered[layer].append(probs.cpu().numpy())
             self.entropy[layer].append(ent.cpu().numpy())
             return
-        st = attention_stats(query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, backend=self.backend)
+        st = attention_stats(
+            query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, sinks=sinks, backend=self.backend
+        )
         self.gathered[layer].append(st.gathered.cpu().numpy())
         self.entropy[layer].append(st.entropy.cpu().numpy())
 
@@ -133,34 +159,71 @@ class HeadOutputPart(Part):
     gram: list = field(init=False)
     total: list = field(init=False)
     count: int = 0
+    count_layer: int | None = field(default=None, init=False)
 
     def __post_init__(self):
         self.gram = [None] * self.n_layers
         self.total = [None] * self.n_layers
 
-    def on_attention_output(self, batch, layer, output):
+    def on_head_output(self, batch, layer, output):
         B, S, H, D = output.shape
         keep = B if self.limit is None else max(0, min(B, self.limit - batch.start))
         if keep == 0:
-            return output
+            return
         idx = torch.as_tensor(self.row[batch][:keep], device=output.device)
         m = output[torch.arange(keep, device=output.device), idx].double()  # (keep, H, D)
         g = torch.einsum("bhd,bhe->hde", m, m).cpu().numpy()
         t = m.sum(0).cpu().numpy()
         self.gram[layer] = g if self.gram[layer] is None else self.gram[layer] + g
         self.total[layer] = t if self.total[layer] is None else self.total[layer] + t
-        if layer == 0:
+        if self.count_layer is None:
+            self.count_layer = layer  # the first block with softmax attention counts the rows
+        if layer == self.count_layer:
             self.count += keep
-        return output
+
+    def grams(self) -> tuple[np.ndarray, np.ndarray]:
+        """(L, H, D, D) Gram matrices and (L, H, D) column sums; NaN in blocks without softmax attention."""
+        shape_g = next(g.shape for g in self.gram if g is not None)
+        shape_t = next(t.shape for t in self.total if t is not None)
+        gram = np.stack([np.full(shape_g, np.nan) if g is None else g for g in self.gram])
+        total = np.stack([np.full(shape_t, np.nan) if t is None else t for t in self.total])
+        return gram, total
+
+
+@dataclass
+class GatePart(Part):
+    """Gated attention: per sample and head, the mean gate over every token and the head's dims:
+    (N, L, H), NaN in layers without a gate. Cells whose factor could not be read (NaN: the attention
+    output was exactly 0 there) are left out of the mean."""
+
+    n_layers: int
+    chunks: list = field(init=False)
+
+    def __post_init__(self):
+        self.chunks = [[] for _ in range(self.n_layers)]
+
+    def on_gate(self, batch, layer, gate):
+        g = gate.double()  # (B, S, H, D)
+        ok = ~torch.isnan(g)
+        total = torch.where(ok, g, 0.0).sum(dim=(1, 3))
+        count = ok.sum(dim=(1, 3))
+        self.chunks[layer].append((total / count).cpu().numpy())  # (B, H)
+
+    def result(self) -> np.ndarray | None:
+        """(N, L, H) mean gates, or None when no layer is gated."""
+        return _stack_layers(self.chunks) if any(self.chunks) else None
 
 
 class HeadCountPart(Part):
-    """Records the number of query heads (the same in every layer)."""
+    """Records the number of query heads (the same in every layer) and the blocks that ran softmax attention."""
 
-    n_heads: int | None = None
+    def __init__(self):
+        self.n_heads: int | None = None
+        self.softmax_layers: list[int] = []
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap):
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
         self.n_heads = int(query.shape[1])
+        self.softmax_layers = sorted({*self.softmax_layers, layer})
 
 
 @dataclass
@@ -198,20 +261,35 @@ class P0Part(Part):
 
 
 class ProbeCollector:
-    """Fans capture's callbacks out to parts; ``batch`` is set by the monitor before each forward."""
+    """Fans capture's callbacks out to parts; ``batch`` is set by the monitor before each forward.
+    ``softmax_layers``: the blocks whose softmax attention reached the collector."""
 
     def __init__(self, parts: list[Part]):
         self.parts = parts
         self.batch = slice(0, 0)
+        self._softmax: set[int] = set()
 
-    def on_attention(self, layer, query, key, scaling, window, softcap):
+    @property
+    def softmax_layers(self) -> list[int]:
+        return sorted(self._softmax)
+
+    def on_attention(self, layer, query, key, scaling, window, softcap, sinks=None):
+        self._softmax.add(layer)
         for p in self.parts:
-            p.on_attention(self.batch, layer, query, key, scaling, window, softcap)
+            p.on_attention(self.batch, layer, query, key, scaling, window, softcap, sinks)
 
     def on_attention_output(self, layer, output):
         for p in self.parts:
             output = p.on_attention_output(self.batch, layer, output)
         return output
+
+    def on_head_output(self, layer, output):
+        for p in self.parts:
+            p.on_head_output(self.batch, layer, output)
+
+    def on_gate(self, layer, gate):
+        for p in self.parts:
+            p.on_gate(self.batch, layer, gate)
 
     def on_block_output(self, layer, hidden):
         for p in self.parts:

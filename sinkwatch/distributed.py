@@ -1,19 +1,51 @@
-"""Which rank probes and how a sharded model's probe forward runs (SPEC §7).
+"""Which rank probes, which layouts are refused, and what the ranks that probe together agree on (SPEC §7).
 
-DDP: only global rank 0 probes, the bare module (the DDP wrapper would wait for the other ranks and
-hang). FSDP (v1): every rank probes together, inside ``summon_full_params`` on the root wrapper so
-the inner model's forward sees whole parameters. FSDP2 (``fully_shard``): every rank probes
-together; each sharded module all-gathers its own parameters in its forward. Only global rank 0
-reports.
+Who probes. DDP: only global rank 0, on the bare module (the DDP wrapper would wait for the other
+ranks and hang). FSDP (v1): every rank together, inside ``summon_full_params(recurse=False)`` on
+each outermost unit: that gathers the parameters no inner unit owns, and each inner unit gathers its
+own in its forward, as in training. FSDP2 / HSDP (``fully_shard``): every rank together; each sharded
+module all-gathers its own parameters in its forward. Only global rank 0 reports.
+
+Refused at setup (``check_layout``), with what to do instead: tensor parallelism (a rank holds only
+some heads: a probe on rank 0 alone would hang in the row-parallel all-reduce, one on every rank
+would measure its local heads only) and DeepSpeed ZeRO-3 (a probe on rank 0 alone would hang in
+DeepSpeed's all-gather).
+
+What the ranks that probe together agree on (``ProbeGroup``): the natural probe's windows (rank
+0's, broadcast when they are frozen, so every rank runs the same forwards: the BOS-free twin
+included), and before, during and after each probe one all-reduced verdict (same code and same
+``config_hash`` on every rank, or no rank goes on): before (each rank's inputs and a memory check),
+before each probe forward, and after (before anything is written). A fault in sinkwatch's own
+statistics during a forward is held until that forward ends (the forward and its collectives run to
+the end on every rank); a fault in the model's own layers during a forward cannot be undone (the
+other ranks wait inside that forward's collectives): that rank raises ``ProbeForwardBroken`` and the
+run stops, never pairing the waiting collectives with training's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
+from .capture import ProbeTarget, UnsupportedModelError
+
 FullParams = Callable[[], contextlib.AbstractContextManager]
+
+# The codes of one agreement: every rank must send the same one (FAIL never agrees).
+FAIL, DONE, FORWARD, START = 0, 1, 2, 3
+
+# Test-only fault injection: ``SINKWATCH_TEST_FAULT=POINT@RANK`` (or ``POINT@RANK@STEP``; several,
+# comma-separated) raises ``InjectedFault`` on that global rank at that point of a probe, so the tests
+# can show what a fault there does. Points: "memory" (the pre-probe check says no), "stats" (inside
+# sinkwatch's statistics, during a forward), "between" (after a probe forward, before the next),
+# "after" (after the probe, before the ranks agree to write), "model" (inside the model's own
+# forward: its middle block).
+FAULT_ENV = "SINKWATCH_TEST_FAULT"
+FAULT_POINTS = ("memory", "stats", "between", "after", "model")
 
 
 @dataclass(frozen=True)
@@ -39,10 +71,64 @@ def rank_facts(module, *, is_global_zero: bool, world_size: int = 1) -> RankFact
     return RankFacts(is_global_zero=bool(is_global_zero), world_size=max(1, int(world_size)), sharding=_fsdp_kind(module)[0])
 
 
+# ---- layouts refused ---------------------------------------------------------------------------
+def check_layout(module, *, zero3: bool = False) -> None:
+    """Refuse, at setup, a layout no rank can probe: DeepSpeed ZeRO-3 (``zero3``: the framework's
+    config says stage 3; or parameters carrying ZeRO-3's ``ds_id``) and tensor parallelism
+    (parameters sharded by a layout other than FSDP's). ``module``: the model as the strategy wraps it."""
+    params = list(module.parameters()) if module is not None else []
+    if zero3 or any(hasattr(p, "ds_id") for p in params):
+        raise ValueError(
+            "sinkwatch cannot probe a DeepSpeed ZeRO-3 model live: its parameters are partitioned and a probe on "
+            "one rank would hang in DeepSpeed's all-gather. Use ZeRO stage 1 or 2 (rank 0 probes its full copy), "
+            "FSDP/FSDP2 (every rank probes together), or save checkpoints and probe them "
+            "afterwards with `sinkwatch replay` / `sinkwatch probe`."
+        )
+    sliced = tensor_parallel_params(module)
+    if sliced:
+        example = next((n for n in sliced if "attn" in n or "attention" in n), sliced[0])
+        raise ValueError(
+            f"sinkwatch cannot probe a tensor-parallel model live: {len(sliced)} parameters (e.g. {example}) hold only this "
+            "rank's slice, so each rank computes only some heads: a probe on rank 0 alone would hang in the row-parallel "
+            "all-reduce, and a probe on every rank would measure its local heads only. Train with FSDP2/HSDP or DDP "
+            "(tensor_parallel_size=1, no tp_plan), or save checkpoints and probe them afterwards with `sinkwatch replay` / "
+            "`sinkwatch probe` (a live record at step N equals the probe of the checkpoint saved at step N)."
+        )
+
+
+def tensor_parallel_params(module) -> list[str]:
+    """Names of the parameters that hold a slice along a mesh dimension FSDP does not gather.
+
+    A parameter sharded by tensor parallelism (torch's ``parallelize_module``, transformers'
+    ``tp_plan``) is a DTensor with a non-replicated placement; under FSDP2 on top (the 2-D recipe)
+    FSDP adds exactly one sharded placement of its own (HSDP: a replicated one and a sharded one),
+    so only a second one is tensor parallelism."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return []
+    if module is None:
+        return []
+    fsdp2 = any(isinstance(m, FSDPModule) for m in module.modules())
+    found = []
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            sharded = sum(not (pl.is_replicate() or pl.is_partial()) for pl in p.placements)
+            if sharded > (1 if fsdp2 else 0):
+                found.append(name)
+    return found
+
+
+# ---- FSDP: who gathers what --------------------------------------------------------------------
 def fsdp_full_params(module) -> FullParams:
     """The context a sharded model's probe forward runs in; every rank must run it (a collective).
 
-    FSDP (v1) wrappers: ``summon_full_params`` on the root gathers whole parameters first.
+    FSDP (v1) wrappers: ``summon_full_params(recurse=False)`` on each outermost unit gathers the
+    parameters that no inner unit owns (the probe calls the inner model, not the root's forward,
+    which would have gathered them); each inner unit's forward then gathers its own, as in training.
+    Gathering every unit up front (``recurse=True``) breaks with ``use_orig_params=False`` (the
+    inner forwards find their flat parameters already unsharded: "Expects tensor to be unsharded").
     FSDP2 (``fully_shard``): each sharded module's forward pre-hook all-gathers its own parameters,
     so the forward needs nothing around it. Neither: a no-op context."""
     return _fsdp_kind(module)[1]
@@ -61,13 +147,12 @@ def _fsdp_kind(module) -> tuple[str | None, FullParams]:
         return None, contextlib.nullcontext
     units = _outermost(module, FSDP)
     if units:
-        # every sharded parameter lives in one of the outermost units (the root, when ``module`` is
-        # the strategy's wrapper); gathering an inner unit alone would leave the rest sharded, and
-        # touching it before the root would make FSDP take it for the root
+        # the outermost units (the root, when ``module`` is the strategy's wrapper) own whatever no
+        # inner unit does; touching an inner unit first would make FSDP take it for the root
         def gather() -> contextlib.AbstractContextManager:
             stack = contextlib.ExitStack()
             for unit in units:
-                stack.enter_context(FSDP.summon_full_params(unit, writeback=False, recurse=True))
+                stack.enter_context(FSDP.summon_full_params(unit, writeback=False, recurse=False))
             return stack
 
         return "fsdp", gather
@@ -84,3 +169,259 @@ def _outermost(module, kind) -> list:
     for child in module.children():
         found.extend(_outermost(child, kind))
     return found
+
+
+# ---- the ranks that probe together -------------------------------------------------------------
+class InjectedFault(RuntimeError):
+    """A fault raised on purpose by ``SINKWATCH_TEST_FAULT`` (tests only)."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank could not go on with this probe; this rank stops it too (no message of its own)."""
+
+
+class ProbeForwardBroken(RuntimeError):
+    """A probe forward failed inside the model's own layers on this rank while the other ranks are
+    inside that forward's collectives: nothing can pair them again, so the run must stop."""
+
+
+class ProbeNotReady(RuntimeError):
+    """This rank cannot start a probe (the pre-probe check)."""
+
+
+def global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def fault_point(point: str, step: int | None) -> None:
+    """Raise ``InjectedFault`` when ``SINKWATCH_TEST_FAULT`` names this point, this rank (and this step)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    for one in spec.split(","):
+        name, _, rest = one.strip().partition("@")
+        rank, _, at_step = rest.partition("@")
+        if name not in FAULT_POINTS:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: each point must be one of {FAULT_POINTS}")
+        if name == point and int(rank or 0) == global_rank() and (not at_step or int(at_step) == step):
+            raise InjectedFault(f"test fault injected at {point!r} on rank {global_rank()}, step {step}")
+
+
+def config_token(config_hash: str | None) -> int:
+    """The 48-bit integer of a 12-hex-digit config hash (0: none yet), as the agreements carry it."""
+    return int(config_hash[:12], 16) if config_hash else 0
+
+
+class ProbeGroup:
+    """The ranks that run each probe together: this rank alone (``size`` 1: nothing to agree), or
+    every rank of the default process group when the parameters are sharded.
+
+    Every collective here is issued by every rank of the group at the same point of the same
+    probe: ``broadcast_windows`` when the natural probe is frozen, then per probe a sequence of
+    ``agree`` calls (START, FORWARD before each forward, DONE) that all ranks see the same verdict
+    of; after the first verdict that is not unanimous no rank sends another, so a rank that stops
+    early never leaves one unpaired. ``gather`` then tells rank 0 who failed and why."""
+
+    def __init__(self, size: int = 1):
+        self.size = size
+        self.rank = global_rank() if size > 1 else 0
+        self._closed = False
+        self.device = torch.device("cpu")
+        if size > 1:
+            import torch.distributed as dist
+
+            if dist.get_backend() == "nccl":  # NCCL carries CUDA tensors only
+                self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @classmethod
+    def for_rank(cls, facts: RankFacts) -> ProbeGroup:
+        """Every rank together when the parameters are sharded (and there are several ranks), else alone."""
+        import torch.distributed as dist
+
+        if facts.sharding is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(dist.get_world_size())
+        return cls(1)
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def begin(self) -> None:
+        """A new probe: agreements count again."""
+        self._closed = False
+
+    def agree(self, code: int, token: int) -> bool:
+        """One all-reduced verdict: True when every rank sent this same code and token, and the code is not FAIL."""
+        if self.size == 1:
+            return code != FAIL
+        if self._closed:
+            return False
+        import torch.distributed as dist
+
+        both = torch.tensor([code, -code, token, -token], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        low, high, tlow, thigh = (int(v) for v in both.cpu())
+        ok = low == -high == code and tlow == -thigh and code != FAIL
+        self._closed = not ok
+        return ok
+
+    def gather(self, item) -> list:
+        """Every rank's ``item`` (picklable), in rank order."""
+        if self.size == 1:
+            return [item]
+        import torch.distributed as dist
+
+        out = [None] * self.size
+        dist.all_gather_object(out, item)
+        return out
+
+    def broadcast_windows(self, windows: torch.Tensor | None) -> torch.Tensor | None:
+        """Rank 0's (m, T) natural windows (or its None) on every rank of the group."""
+        if self.size == 1:
+            return windows
+        import torch.distributed as dist
+
+        header = torch.tensor(list(windows.shape) if windows is not None else [-1, 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=0)
+        m, T = (int(v) for v in header.cpu())
+        if m < 0:
+            return None
+        data = windows.to(self.device, torch.int64) if self.is_root else torch.empty(m, T, dtype=torch.int64, device=self.device)
+        dist.broadcast(data, src=0)
+        return data.cpu()
+
+    def guard(self, target: ProbeTarget, step: int, token: int) -> ProbeTarget:
+        """``target`` as the probe of ``step`` runs it in this group (itself when alone)."""
+        return target if self.size == 1 else _GuardedTarget(target, self, step, token)
+
+    @contextlib.contextmanager
+    def collective(self, step: int, what: str) -> Iterator[None]:
+        """A stretch every rank runs in step (a forward, a parameter gather): a fault escaping it on
+        one rank leaves the others inside its collectives, so it becomes ``ProbeForwardBroken``.
+        ``UnsupportedModelError``/``ValueError``/``TypeError`` (sinkwatch's checks of the model and the
+        probe batch) pass: they come from inputs every rank shares, so every rank raises them alike."""
+        try:
+            yield
+        except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken):
+            raise
+        except Exception as exc:
+            if self.size == 1:
+                raise
+            raise ProbeForwardBroken(
+                f"sinkwatch: {what} at step {step} failed on rank {self.rank} ({type(exc).__name__}: {exc}) while the other "
+                "ranks are inside its collectives; nothing can pair them again, so the run stops here instead of letting them "
+                "pair with training's collectives (a hang or silently wrong numbers). Resume from the last checkpoint; after an "
+                "out-of-memory, lower MonitorConfig(batch_tokens=...) (tokens per probe forward)."
+            ) from exc
+
+
+class _HeldFaults:
+    """The probe's collector, with faults in sinkwatch's own statistics held until the forward ends:
+    the forward, and so every collective in it, then runs to the end on every rank."""
+
+    def __init__(self, inner, step: int):
+        self.inner, self.step = inner, step
+        self.fault: BaseException | None = None
+
+    def _call(self, method: str, *args):
+        if self.fault is None:
+            try:
+                if method == "on_attention":
+                    fault_point("stats", self.step)
+                return getattr(self.inner, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - raised once the forward is over
+                self.fault = exc
+        return args[-1] if method == "on_attention_output" else None
+
+    # one method per hook of capture's ``Collector`` protocol: a hook missing here would be lost to the probe
+    def on_attention(self, layer, query, key, scaling, window, softcap, sinks=None):
+        self._call("on_attention", layer, query, key, scaling, window, softcap, sinks)
+
+    def on_attention_output(self, layer, output):
+        return self._call("on_attention_output", layer, output)
+
+    def on_head_output(self, layer, output):
+        self._call("on_head_output", layer, output)
+
+    def on_gate(self, layer, gate):
+        self._call("on_gate", layer, gate)
+
+    def on_block_output(self, layer, hidden):
+        self._call("on_block_output", layer, hidden)
+
+
+class _GuardedTarget(ProbeTarget):
+    """A target whose probe forwards run only on the group's unanimous go, with statistics faults held."""
+
+    def __init__(self, inner: ProbeTarget, group: ProbeGroup, step: int, token: int):
+        self.inner, self.group, self.step, self.token = inner, group, step, token
+        self.module, self.name = inner.module, inner.name
+
+    def blocks(self):
+        return self.inner.blocks()
+
+    @property
+    def n_layers(self) -> int:
+        return self.inner.n_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def context(self) -> int | None:
+        return self.inner.context
+
+    @contextlib.contextmanager
+    def capture(self, collector):
+        held = _HeldFaults(collector, self.step)
+        hooks = []
+        if os.environ.get(FAULT_ENV):  # the "model" test point: a fault inside the model's own forward
+            blocks = self.inner.blocks()
+            hooks.append(blocks[len(blocks) // 2].register_forward_pre_hook(lambda *_: fault_point("model", self.step)))
+        try:
+            with self.inner.capture(held) as forward:
+
+                def agreed_forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+                    if not self.group.agree(FORWARD, self.token):
+                        raise PeerFailed("another rank stopped this probe")
+                    with self.group.collective(self.step, "a probe forward"):
+                        logits = forward(input_ids, all_logits=all_logits)
+                    if held.fault is not None:
+                        raise held.fault
+                    fault_point("between", self.step)
+                    return logits
+
+                yield agreed_forward
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def check_probe_memory(target: ProbeTarget, sets, batch_tokens: int, step: int) -> None:
+    """The pre-probe check of this rank: on a CUDA device, free memory for at least the largest probe
+    micro-batch's logits (float32, twice: the logits and a float copy), else ``ProbeNotReady``; also
+    the "memory" test fault point. A lower bound, not a prediction: it catches a nearly full device."""
+    fault_point("memory", step)
+    device = target.device
+    if device.type != "cuda":
+        return
+    from .monitor import PROBE_RUNS
+
+    need = 0
+    for s in sets:
+        rows = min(s.n, max(1, batch_tokens // s.seq_len))
+        positions = s.seq_len if PROBE_RUNS[s.kind].all_logits else 1
+        need = max(need, rows * positions * target.vocab_size * 4 * 2)
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < need:
+        raise ProbeNotReady(
+            f"{free / 2**30:.2f} GiB free on {device}, the probe's largest micro-batch needs at least {need / 2**30:.2f} GiB; "
+            "lower MonitorConfig(batch_tokens=...) (tokens per probe forward)"
+        )

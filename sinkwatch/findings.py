@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
+from .records import n_sink_heads, softmax_heads
 
 MIN_HEADS = 3  # the paper's "induction formed": >= 3 heads at >= 50x
 RECALL_MILESTONE = 2 / 3
@@ -109,14 +110,13 @@ def trajectory_from_records(records: Sequence[dict], label: str | None = None) -
     recs = [r for r in records if "sink_heads_per_layer" in r]
     if not recs:
         raise ValueError("these records have no selectivity screen (run the induction probe) to compute the paper's findings from")
-    L, H = recs[0]["n_layers"], recs[0]["n_heads"]
     return Trajectory(
         protocol=recs[-1].get("protocol", "sinkwatch"),
         label=label or recs[0]["model"],
         revisions=[r.get("revision") or f"step{r.get('step')}" for r in recs],
         tokens=[float(r["tokens"]) if r.get("tokens") is not None else float(r.get("step") or 0) for r in recs],
-        sink_heads=[int(sum(r["sink_heads_per_layer"])) for r in recs],
-        total_heads=L * H,
+        sink_heads=[n_sink_heads(r) for r in recs],
+        total_heads=softmax_heads(recs[0]),  # hybrid stacks: the heads of softmax blocks
         ind_ge30=[int(r["n_induction_ge30"]) for r in recs],
         ind_ge50=[int(r["n_induction_ge50"]) for r in recs],
         induction_sets=[list(r["induction_heads"]) for r in recs],
@@ -188,7 +188,8 @@ def largest_jump(traj: Trajectory) -> dict | None:
 def l0_l1_floor(traj: Trajectory) -> bool | None:
     """True when layers 0 and 1 hold no sink head at the final revision."""
     per = traj.final_sink_per_layer
-    return None if per is None else bool(per[0] == 0 and per[1] == 0)
+    # a block without softmax attention (null: hybrid stacks) holds no sink head either
+    return None if per is None else bool(not per[0] and not per[1])
 
 
 def induction_formed(traj: Trajectory, min_heads: int = MIN_HEADS) -> tuple[float | None, str]:
@@ -249,7 +250,7 @@ def findings(traj: Trajectory) -> dict[str, Any]:
     recall = recall_series(traj)
     floor = l0_l1_floor(traj)
     na: dict[str, str] = {}
-    has_sinks = traj.final_sink_per_layer is not None and sum(traj.final_sink_per_layer) > 0
+    has_sinks = traj.final_sink_per_layer is not None and sum(n or 0 for n in traj.final_sink_per_layer) > 0
     if not has_sinks:
         floor = None
         na["l0_l1_floor"] = "no sink head at all at the final revision: an empty L0/L1 says nothing"

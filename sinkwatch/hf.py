@@ -93,13 +93,13 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         return {"args": {"_restored": True, **options}, "attributes": {"sinkwatch_state": self.live.state_dict()}}
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
-        refuse_zero3(args, model)
         self.live.setup(
             model,
             is_global_zero=state.is_world_process_zero,
             max_steps=state.max_steps,
             world_size=data_parallel_size(args),
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
+            zero3=zero3_configured(args),  # refused at setup, as are a ZeRO-3 model and a tensor-parallel one
         )
         self._report_to_integrations(args, state, control, model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
@@ -197,22 +197,14 @@ def data_parallel_size(args) -> int:
     return max(1, world // split)
 
 
-def refuse_zero3(args, model) -> None:
-    """DeepSpeed ZeRO-3 partitions every parameter; a probe forward on rank 0 alone would wait
-    forever in DeepSpeed's all-gather. Refuse at train begin, with what to do instead."""
-    zero3 = any(hasattr(p, "ds_id") for p in model.parameters()) if model is not None else False
+def zero3_configured(args) -> bool:
+    """Whether the Trainer's DeepSpeed config (``hf_deepspeed_config`` or accelerate's plugin) says ZeRO
+    stage 3; ``sinkwatch.distributed.check_layout`` refuses it (and a model carrying ZeRO-3's ``ds_id``)."""
     ds_config = getattr(args, "hf_deepspeed_config", None)
-    if ds_config is not None and hasattr(ds_config, "is_zero3"):
-        zero3 = zero3 or bool(ds_config.is_zero3())
+    if ds_config is not None and hasattr(ds_config, "is_zero3") and ds_config.is_zero3():
+        return True
     plugin = getattr(getattr(getattr(args, "_accelerator_state", None), "deepspeed_plugin", None), "zero_stage", None)
-    zero3 = zero3 or plugin == 3
-    if zero3:
-        raise ValueError(
-            "sinkwatch cannot probe a DeepSpeed ZeRO-3 model live: its parameters are partitioned and a probe on "
-            "one rank would hang in DeepSpeed's all-gather. Use ZeRO stage 1 or 2 (rank 0 probes its full copy), "
-            "FSDP/FSDP2 through accelerate (every rank probes together), or save checkpoints and probe them "
-            "afterwards with `sinkwatch replay` / `sinkwatch probe`."
-        )
+    return plugin == 3
 
 
 def _calling_handler(callback) -> CallbackHandler | None:

@@ -11,8 +11,9 @@ in the batch-end, epoch-end or validation-end hook, all before ``on_train_end``)
 (``trainer.estimated_stepping_batches``: ``max_steps``, or ``max_epochs`` x batches per epoch). Strategies: single device,
 DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
-FSDP v1 (every rank probes together inside ``summon_full_params`` on the strategy's root wrapper).
-Only global rank 0 reports.
+FSDP v1 (every rank probes together; the parameters no inner unit owns are gathered through the
+strategy's root wrapper). Tensor parallelism and DeepSpeed ZeRO-3 are refused at fit start. Only
+global rank 0 reports (docs/live.md, "Distributed training").
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class SinkWatchCallback(Callback):
             max_steps=planned_steps(trainer) if self.config.log_spaced else None,
             world_size=data_parallel_size(trainer),
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
+            # DeepSpeedStrategy's own flag (no deepspeed import); the parameters' ``ds_id`` and tensor-parallel
+            # shards are checked in setup, which refuses such layouts on every rank before any probe
+            zero3=bool(getattr(trainer.strategy, "zero_stage_3", False)),
         )
         self._report_to_loggers(trainer)
 

@@ -21,7 +21,21 @@ import numpy as np
 import torch
 
 from .capture import ProbeTarget, preserved_rng, resolve_target
-from .distributed import RankFacts, fsdp_full_params, rank_facts
+from .distributed import (
+    DONE,
+    FAIL,
+    START,
+    PeerFailed,
+    ProbeForwardBroken,
+    ProbeGroup,
+    RankFacts,
+    check_layout,
+    check_probe_memory,
+    config_token,
+    fault_point,
+    fsdp_full_params,
+    rank_facts,
+)
 from .monitor import Monitor, MonitorConfig
 from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
@@ -202,6 +216,7 @@ class LiveMonitor:
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
         self.rank: RankFacts | None = None
+        self.group = ProbeGroup(1)  # the ranks that run each probe together (decided at setup)
         self.config_hash: str | None = None  # probe hashes + thresholds the records are made with
         self.tracker_since_step = 0  # the step the stage tracker's current segment started at
 
@@ -215,10 +230,13 @@ class LiveMonitor:
         max_steps: int | None = None,
         world_size: int = 1,
         wandb_run=None,
+        zero3: bool = False,
     ) -> None:
-        """At fit start. Resolves the model (a clear error now, never mid-run), picks reporters on
-        the logging rank and a no-op elsewhere, and whether this rank probes (decided once, here,
-        by ``sinkwatch.distributed``: rank 0, or every rank when the parameters are sharded).
+        """At fit start. Resolves the model and refuses a layout no rank can probe (tensor
+        parallelism; DeepSpeed ZeRO-3: ``zero3`` when the framework's config says stage 3) — a clear
+        error now, never mid-run —, picks reporters on the logging rank and a no-op elsewhere, and
+        whether this rank probes (decided once, here, by ``sinkwatch.distributed``: rank 0, or every
+        rank together when the parameters are sharded).
 
         ``model``: what is probed (the bare module under DDP, never the DDP wrapper, which would
         hang). ``wrapped``: the model as the training strategy wraps it, where FSDP shards show
@@ -226,8 +244,11 @@ class LiveMonitor:
         it: the root wrapper sits there, outside ``model`` (an inner unit alone would leave the rest
         sharded)."""
         self.target = resolve_target(model)
-        self._full_params = fsdp_full_params(wrapped if wrapped is not None else model)
-        self.rank = rank_facts(wrapped if wrapped is not None else model, is_global_zero=is_global_zero, world_size=world_size)
+        outer = wrapped if wrapped is not None else model
+        check_layout(outer, zero3=zero3)
+        self._full_params = fsdp_full_params(outer)
+        self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
+        self.group = ProbeGroup.for_rank(self.rank)
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
@@ -296,11 +317,19 @@ class LiveMonitor:
 
     # ---- the hot path --------------------------------------------------------------------------
     def batch_start(self, batch) -> None:
-        """Before each training micro-batch: freeze the natural probe from the first one."""
+        """Before each training micro-batch: freeze the natural probe from the first one. Ranks that
+        probe together (sharded parameters) all take rank 0's windows, broadcast here: each rank's
+        first batch differs, and differing windows would make the ranks run different forwards
+        (the BOS-free twin runs only for windows that share their first token)."""
         if self.natural is None and self.monitor is None and self.config.natural and self.config.probes is None:
             ids = input_ids_of(batch)
-            if ids is not None:
-                self.natural = self._freeze_natural(ids, attention_mask_of(batch, ids))
+            if self.group.size > 1:
+                windows = self._natural_windows(ids, attention_mask_of(batch, ids)) if self.group.is_root and ids is not None else None
+                windows = self.group.broadcast_windows(windows)
+                self.natural = self._natural_probe(windows) if windows is not None else None
+            elif ids is not None:
+                windows = self._natural_windows(ids, attention_mask_of(batch, ids))
+                self.natural = self._natural_probe(windows) if windows is not None else None
 
     def batch_end(self, batch) -> None:
         """After each training micro-batch: count its tokens (every data-parallel rank's batch,
@@ -318,7 +347,8 @@ class LiveMonitor:
             self.tokens_seen = int(total)
             self.tokens_counted = True
 
-    def _freeze_natural(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> ProbeSet | None:
+    def _natural_windows(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The (m, T) natural windows of a first training batch, or None (one warning) when it is too short."""
         cfg = self.config
         T = min(cfg.natural_seq_len, ids.shape[1], self.target.context or ids.shape[1])
         pad_id = getattr(getattr(self.target.module, "config", None), "pad_token_id", None) if attention_mask is None else None
@@ -326,7 +356,11 @@ class LiveMonitor:
         if windows.shape[0] < 1:
             self._warn("natural", "sinkwatch: the first training batch is too short for natural windows; natural probe skipped")
             return None
-        return make_natural_probe(windows, n=windows.shape[0], seq_len=T, source="first training batch")
+        return windows
+
+    @staticmethod
+    def _natural_probe(windows: torch.Tensor) -> ProbeSet:
+        return make_natural_probe(windows, n=windows.shape[0], seq_len=windows.shape[1], source="first training batch")
 
     def tokens_at(self, step: int) -> int | None:
         """Tokens seen by ``step``; None (recorded as null, one warning) when no batch could be counted."""
@@ -369,24 +403,37 @@ class LiveMonitor:
 
     def _probe_and_report(self, step: int) -> None:
         tokens = self.tokens_at(step)
-        try:
+        group = self.group
+        group.begin()
+        error: Exception | None = None
+        tracker = None
+        snap = None
+        try:  # the inputs and the memory check, before any collective of the probe
             if self.monitor is None:
                 self.monitor = self._build_monitor()
                 self._check_probe_hashes()
-            with self._full_params():
-                snap = self.monitor.probe(self.target, step=step, tokens=tokens)
+            tracker = self.monitor.tracker.state_dict()
+            check_probe_memory(self.target, self.monitor.probe_sets(self.target.vocab_size), self.monitor.config.batch_tokens, step)
         except Exception as exc:  # noqa: BLE001 - the monitor must never stop training
-            self.last_probed_step = step
-            if self.config.raise_on_error:
-                raise
-            msg = f"{type(exc).__name__}: {exc}"
-            self._warn(
-                f"probe:{type(exc).__name__}",
-                f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)",
-            )
-            self.reporter.log_error(step, msg)
-            return
+            error = exc
+        token = config_token(self.config_hash)
+        ok = group.agree(START if error is None else FAIL, token)  # one go/no-go, same probe sets on every rank
+        if ok:
+            with group.collective(step, "gathering the full parameters"), self._full_params():  # FSDP v1: a collective
+                try:
+                    snap = self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens)
+                    fault_point("after", step)
+                except ProbeForwardBroken:
+                    raise  # the other ranks wait inside a forward: never go on to training's collectives out of step
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            ok = group.agree(DONE if error is None else FAIL, token)  # nothing is written unless every rank succeeded
         self.last_probed_step = step
+        if not ok:
+            if tracker is not None:  # the tracker never counts a probe that was not written
+                self.monitor.tracker.load_state_dict(tracker)
+            self._probe_failed(step, error)
+            return
         self.n_probes += 1
         record = snap.to_record()
         record["config_hash"] = self.config_hash
@@ -404,6 +451,27 @@ class LiveMonitor:
                     self.config.on_event(ev)
                 except Exception as exc:  # noqa: BLE001
                     self._warn("hook", f"sinkwatch: the on_event hook raised {type(exc).__name__}: {exc}; ignored")
+
+    def _probe_failed(self, step: int, error: Exception | None) -> None:
+        """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per
+        kind of fault, training goes on (``raise_on_error``: every rank raises)."""
+        local = None if error is None or isinstance(error, PeerFailed) else f"{type(error).__name__}: {error}"
+        faults = self.group.gather((local, self.config_hash))  # every rank's own fault (None: none here) and config hash
+        if self.group.size == 1:
+            msg = local or "the probe failed"
+        else:
+            named = [f"rank {r}: {m}" for r, (m, _) in enumerate(faults) if m is not None]
+            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(faults))
+            differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
+            msg = "; ".join(named) if named else differ
+            msg = f"{msg} (every rank skipped this probe; no rank wrote it)"
+        if self.config.raise_on_error:
+            if error is not None and not isinstance(error, PeerFailed):
+                raise error
+            raise RuntimeError(f"sinkwatch: probe at step {step} failed: {msg}")
+        kind = type(error).__name__ if local is not None else "peer"
+        self._warn(f"probe:{kind}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
+        self.reporter.log_error(step, msg)
 
     def finish(self) -> None:
         with preserved_rng():
@@ -491,10 +559,17 @@ def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:
 
 
 def _has_non_finite(values: dict) -> bool:
-    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault
+    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault.
+    # Blocks without softmax attention (hybrid stacks) are NaN rows of the attention arrays by design.
+    softmax = values.get("softmax_layers")
     for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
         v = values.get(key)
-        if v is not None and not np.all(np.isfinite(np.asarray(v, dtype=float))):
+        if v is None:
+            continue
+        v = np.asarray(v, dtype=float)
+        if key != "p0_norm_ratio" and softmax is not None:
+            v = v[list(softmax)]
+        if not np.all(np.isfinite(v)):
             return True
     v = values.get("sink_rate")
     return v is not None and not math.isfinite(v)

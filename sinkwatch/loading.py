@@ -71,7 +71,9 @@ def _chain(exc: BaseException):
 def load_model(
     name_or_path: str, *, revision: str | None = None, dtype: str = "float32", device: str | None = None, cache_dir: str | None = None
 ):
-    """``AutoModelForCausalLM.from_pretrained(name_or_path, revision=...)`` with sdpa attention, in eval mode.
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, revision=...)`` in eval mode, with sdpa attention
+    where the model's class can run it and eager attention where it cannot (gpt-oss: learned sinks;
+    Gemma 2: soft-capping; transformers' own default choice).
 
     Raises ``HubUnreachableError`` with what to do when the hub cannot be reached, and
     ``FileNotFoundError`` when a revision does not exist.
@@ -80,7 +82,7 @@ def load_model(
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, revision=revision, dtype=parse_dtype(dtype), attn_implementation="sdpa", cache_dir=cache_dir
+            name_or_path, revision=revision, dtype=parse_dtype(dtype), attn_implementation=None, cache_dir=cache_dir
         )
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised with advice
         if os.path.isdir(name_or_path):

@@ -53,15 +53,35 @@ def sink_alpha(first: torch.Tensor) -> torch.Tensor:
     return (total / count).float()
 
 
-def sink_fractions(alpha: np.ndarray, epsilon: float = SINK_EPSILON) -> dict[str, np.ndarray | float]:
+def learned_sink_alpha(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Importance of a learned sink (gpt-oss, OLMo-core attention sinks), averaged like alpha_0: the
+    sink's probability exp(s_h - lse_i) at every query row i (every row sees it), mean over rows.
+
+    lse: (B, H, S) row log-sum-exps that include the sink; sinks: (H,). Returns (B, H) float32.
+    """
+    s = sinks.to(device=lse.device, dtype=torch.float32)[None, :, None]
+    return torch.exp(s - lse.float()).mean(-1)
+
+
+def softmax_mask(n_layers: int, softmax_layers: Iterable[int] | None) -> np.ndarray:
+    """(L,) bool: the blocks with softmax attention (all of them when ``softmax_layers`` is None)."""
+    mask = np.zeros(n_layers, dtype=bool)
+    mask[list(range(n_layers)) if softmax_layers is None else list(softmax_layers)] = True
+    return mask
+
+
+def sink_fractions(alpha: np.ndarray, epsilon: float = SINK_EPSILON, softmax_layers: Iterable[int] | None = None) -> dict:
     """Gu et al. Sink_k: fraction of (sample, layer, head) triples with alpha_k > epsilon (strict).
 
     alpha: (N, L, H, K) per-sample sink importance. Returns ``profile`` (K,) = Sink_k,
-    ``rate`` = Sink_0 and ``per_layer`` (L,) = Sink_0 within each layer.
+    ``rate`` = Sink_0 and ``per_layer`` (L,) = Sink_0 within each layer. Hybrid stacks: only the
+    ``softmax_layers`` count (their triples are the denominator); other blocks' ``per_layer`` is NaN.
     """
+    layers = softmax_mask(alpha.shape[1], softmax_layers)
     above = np.nan_to_num(alpha, nan=-np.inf) > epsilon  # NaN (k beyond the sequence) never counts
-    profile = above.mean(axis=(0, 1, 2))
-    return {"profile": profile, "rate": float(profile[0]), "per_layer": above[..., 0].mean(axis=(0, 2))}
+    profile = above[:, layers].mean(axis=(0, 1, 2))
+    per_layer = np.where(layers, above[..., 0].mean(axis=(0, 2)), np.nan)
+    return {"profile": profile, "rate": float(profile[0]), "per_layer": per_layer}
 
 
 def sink_alpha_mean(alpha: np.ndarray) -> np.ndarray:
@@ -133,16 +153,21 @@ def selectivity(gathered: np.ndarray, layout: Mapping[str, slice], valid: np.nda
     return out
 
 
-def best_class(scores: Mapping[str, np.ndarray], minimum: float = BEST_CLASS_MIN_SELECTIVITY) -> np.ndarray:
+def best_class(
+    scores: Mapping[str, np.ndarray], minimum: float = BEST_CLASS_MIN_SELECTIVITY, softmax_layers: Iterable[int] | None = None
+) -> np.ndarray:
     """Per head: the argmax class if its selectivity >= ``minimum``, else "unclassified". (L, H) str.
 
     As the paper: non-finite values (inf, NaN) take no part in the choice, and a tie goes to the
     class first in the paper's order (induction, previous, duplicate, first, self, local).
+    Hybrid stacks: heads of blocks outside ``softmax_layers`` get None (no class to speak of).
     """
     stack = np.stack([np.where(np.isfinite(scores[c]), scores[c], -np.inf) for c in PAPER_CLASS_ORDER])  # (6, L, H)
     idx = stack.argmax(axis=0)  # the first maximum: the paper's order breaks ties
     names = np.array(PAPER_CLASS_ORDER, dtype=object)[idx]
-    return np.where(stack.max(axis=0) >= minimum, names, UNCLASSIFIED)
+    best = np.where(stack.max(axis=0) >= minimum, names, UNCLASSIFIED).astype(object)
+    best[~softmax_mask(best.shape[0], softmax_layers)] = None
+    return best
 
 
 def head_names(mask: np.ndarray) -> list[str]:
@@ -150,16 +175,20 @@ def head_names(mask: np.ndarray) -> list[str]:
     return [f"L{l}H{h}" for l, h in zip(*np.nonzero(mask))]
 
 
-def head_screen(scores: Mapping[str, np.ndarray], best: np.ndarray) -> dict:
-    """Sink heads, BOS fractions, induction and previous-token circuits from a selectivity screen."""
+def head_screen(scores: Mapping[str, np.ndarray], best: np.ndarray, softmax_layers: Iterable[int] | None = None) -> dict:
+    """Sink heads, BOS fractions, induction and previous-token circuits from a selectivity screen.
+
+    Hybrid stacks: fractions are over the heads of the ``softmax_layers`` only, and the other blocks'
+    ``sink_heads_per_layer`` entries are None (no softmax there to screen)."""
     first = np.nan_to_num(scores["first"], nan=-np.inf)
     induction = np.nan_to_num(scores["induction"], nan=-np.inf)
     previous = np.nan_to_num(scores["previous"], nan=-np.inf)
+    layers = softmax_mask(first.shape[0], softmax_layers)
     sink = first >= SINK_HEAD_MIN_SELECTIVITY  # no best-class filter
-    total = sink.size
+    total = int(layers.sum()) * first.shape[1]
     return {
         "sink_heads": sink,
-        "sink_heads_per_layer": sink.sum(axis=1).astype(int).tolist(),
+        "sink_heads_per_layer": [int(n) if ok else None for n, ok in zip(sink.sum(axis=1), layers)],
         "bos_fraction_raw": float(sink.sum() / total),
         "bos_fraction_bestclass": float((best == "first").sum() / total),
         "induction_heads": head_names(induction >= INDUCTION_CIRCUIT_MIN_SELECTIVITY),

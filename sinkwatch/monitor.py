@@ -18,7 +18,7 @@ from torch import nn
 
 from . import metrics
 from .capture import ProbeTarget, resolve_target, untouched
-from .collectors import AblationPart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
+from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .snapshot import Snapshot
@@ -203,9 +203,12 @@ class Monitor:
                 for run in runs:
                     run.observe(ids, logits)
         n_heads = None
-        values: dict = {}
+        # blocks that ran softmax attention; the others (Mamba, linear attention) are NaN rows in
+        # every attention-derived array, and counts and fractions are over these blocks' heads only
+        softmax = collector.softmax_layers
+        values: dict = {"softmax_layers": softmax}
         for run in runs:
-            out, heads = run.values()
+            out, heads = run.values(softmax)
             values.update(out)
             n_heads = heads if heads is not None else n_heads
         return values, n_heads
@@ -235,10 +238,12 @@ class Monitor:
             raise ValueError("group ablation scores the induction probe's target; configure Monitor with InductionProbe()")
         pairs = [_parse_head(h) for h in heads]
         L = target.n_layers
-        H = self._n_query_heads(target, probe)
+        H, softmax = self._n_query_heads(target, probe)
         for l, h in pairs:
             if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"head L{l}H{h} does not exist in a model with {L} layers x {H} heads")
+            if l not in softmax:  # hybrid stacks: zeroing a head there would silently change nothing
+                raise ValueError(f"block {l} has no softmax attention (softmax blocks: {softmax}); L{l}H{h} has no head to ablate")
         if control is None:
             short = "min" if self.config.protocol == "paper" else "raise"
             control = metrics.matched_random_heads(pairs, H, seed=seed, short_layer=short)
@@ -272,12 +277,13 @@ class Monitor:
                 out.append(forward(probe.tokens[batch].to(device))[:, -1].float().cpu())
         return torch.cat(out)
 
-    def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> int:
-        """Query heads per layer, read off one short captured forward (works for any target)."""
+    def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> tuple[int, list[int]]:
+        """Query heads per layer and the blocks with softmax attention, read off one short captured
+        forward (works for any target)."""
         counter = HeadCountPart()
         with untouched(target.module):
             self._last_logits(target, probe.subset(1), [counter])
-        return counter.n_heads
+        return counter.n_heads, counter.softmax_layers
 
 
 # ---- one entry per probe kind: the parts it adds to the capture and the values it computes --------
@@ -294,22 +300,36 @@ class _ProbeRun:
     def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass
 
-    def values(self) -> tuple[dict, int | None]:
+    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
+        """``softmax_layers``: the blocks that ran softmax attention (all of them but in hybrid stacks)."""
         return {}, None
 
 
 class _SinkRun(_ProbeRun):
-    """Sink and position-0 keys (``sink_*``, ``p0_*``, ``circuit_layer``), on the set that carries them."""
+    """Sink and position-0 keys (``sink_*``, ``p0_*``, ``circuit_layer``), on the set that carries them;
+    with them the learned sinks' importance (``sink_learned_*``) and gated attention's mean gates
+    (``attn_gate_mean``), which describe the same rows."""
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
-        self.sink, self.p0 = SinkPart(n_layers, config.n_first, config.backend), P0Part(n_layers)
-        self.parts = [self.sink, self.p0]
+        self.sink, self.p0, self.gate = SinkPart(n_layers, config.n_first, config.backend), P0Part(n_layers), GatePart(n_layers)
+        self.parts = [self.sink, self.p0, self.gate]
 
-    def values(self) -> tuple[dict, int | None]:
-        alpha = self.sink.result()  # (N, L, H, K)
+    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
+        alpha = self.sink.result()  # (N, L, H, K), NaN in blocks without softmax attention
         ratio, vectors = self.p0.result()
-        values = {**_sink_values(alpha, self.config), **_p0_values(ratio, vectors, self.probe.tokens[:, 0].numpy(), self.config)}
+        values = {
+            **_sink_values(alpha, self.config, softmax_layers),
+            **_p0_values(ratio, vectors, self.probe.tokens[:, 0].numpy(), self.config),
+        }
+        learned = self.sink.learned_result()  # (N, L, H): layers with learned sink logits
+        if learned is not None:
+            values["sink_learned_alpha"] = learned.mean(axis=0)
+            with_sink = ~np.isnan(learned).all(axis=(0, 2))
+            values["sink_learned_rate"] = float((np.nan_to_num(learned[:, with_sink], nan=-np.inf) > self.config.sink_epsilon).mean())
+        gates = self.gate.result()  # (N, L, H): gated attention
+        if gates is not None:
+            values["attn_gate_mean"] = gates.mean(axis=0)
         return values, alpha.shape[2]
 
 
@@ -329,13 +349,13 @@ class _InductionRun(_ProbeRun):
     def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         self.last_logits.append(logits[:, -1].float().cpu())
 
-    def values(self) -> tuple[dict, int | None]:
+    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
         probe, cfg = self.probe, self.config
         gathered, entropy = self.rowcols.result()  # (N, L, H, 1, G), (N, L, H, 1)
         valid = probe.fields["valid"].astype(bool)
         scores = metrics.selectivity(gathered[:, :, :, 0], self.layout, valid)
-        best = metrics.best_class(scores)
-        screen = metrics.head_screen(scores, best)
+        best = metrics.best_class(scores, softmax_layers=softmax_layers)
+        screen = metrics.head_screen(scores, best, softmax_layers)
         values = {"selectivity": scores, "best_class": best}
         values.update({k: v for k, v in screen.items() if k != "sink_heads"})
         values["attention_entropy"] = entropy[:, :, :, 0].mean(axis=0)
@@ -344,11 +364,11 @@ class _InductionRun(_ProbeRun):
         values["induction_target"] = metrics.target_scores(logits[valid], targets[valid]) if valid.any() else None
         values["induction_valid_sequences"] = int(valid.sum())
         if self.heads is not None:
-            gram = np.stack(self.heads.gram)  # (L, H, D, D)
+            gram, total = self.heads.grams()  # (L, H, D, D), (L, H, D): NaN in blocks without softmax attention
             values["pr"] = metrics.participation_ratio(gram)
             values["pr_sequences"] = self.heads.count  # PR is bounded by min(N, d_head): N is part of the number
             if cfg.classical_pr:
-                values["pr_classical"] = metrics.participation_ratio_classical(gram, np.stack(self.heads.total), self.heads.count)
+                values["pr_classical"] = metrics.participation_ratio_classical(gram, total, self.heads.count)
         return values, gathered.shape[2]
 
 
@@ -371,7 +391,7 @@ class _RepeatedRun(_ProbeRun):
         self.copy_first.append(a.cpu().numpy())
         self.copy_second.append(b.cpu().numpy())
 
-    def values(self) -> tuple[dict, int | None]:
+    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
         gathered, _ = self.rowcols.result()  # (N, L, H, L_rep, 1)
         values = {
             "induction_score": metrics.induction_score(gathered[..., 0].mean(axis=-1)),
@@ -387,8 +407,8 @@ class _NaturalRun(_ProbeRun):
 PROBE_RUNS: dict[str, type[_ProbeRun]] = {"induction": _InductionRun, "repeated": _RepeatedRun, "natural": _NaturalRun}
 
 
-def _sink_values(alpha: np.ndarray, config: MonitorConfig) -> dict:
-    frac = metrics.sink_fractions(alpha, config.sink_epsilon)
+def _sink_values(alpha: np.ndarray, config: MonitorConfig, softmax_layers: list[int]) -> dict:
+    frac = metrics.sink_fractions(alpha, config.sink_epsilon, softmax_layers)
     return {
         "sink_rate": frac["rate"],
         "sink_profile": frac["profile"],

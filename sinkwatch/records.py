@@ -1,8 +1,10 @@
 """Helpers shared by everything that reads or writes records (SPEC §10): one place per idea.
 
 ``jsonable`` (what a record value becomes in JSON), ``best_induction_score`` (the headline of the
-prefix-matching heatmap), and the head-class table (``HEAD_CLASS_COLUMNS``, ``head_class_rows``)
-whose class columns follow ``metrics.SELECTIVITY_CLASSES``.
+prefix-matching heatmap), the head-class table (``HEAD_CLASS_COLUMNS``, ``head_class_rows``)
+whose class columns follow ``metrics.SELECTIVITY_CLASSES``, and the counts over softmax blocks
+(``softmax_layers_of``, ``softmax_heads``, ``n_sink_heads``) that hybrid stacks need: their records
+hold null entries for blocks without softmax attention.
 """
 
 from __future__ import annotations
@@ -44,13 +46,34 @@ def best_induction_score(record: Mapping[str, Any]) -> float | None:
 
 
 def head_class_rows(record: Mapping[str, Any]) -> list[list]:
-    """Rows of ``HEAD_CLASS_COLUMNS`` (layer, head, best class, one selectivity per class) of the screen."""
+    """Rows of ``HEAD_CLASS_COLUMNS`` (layer, head, best class, one selectivity per class) of the
+    screen, for the heads of softmax blocks (a hybrid stack's other blocks have no class)."""
     sel = record.get("selectivity")
     best = record.get("best_class")
     if sel is None or best is None:
         return []
+    softmax = record.get("softmax_layers")
     rows = []
     for l, row in enumerate(best):
+        if softmax is not None and l not in softmax:
+            continue
         for h, cls in enumerate(row):
             rows.append([l, h, cls] + [sel[c][l][h] for c in SELECTIVITY_CLASSES])
     return rows
+
+
+def softmax_layers_of(record: Mapping[str, Any]) -> list[int]:
+    """The blocks with softmax attention (records written before hybrid support: all of them)."""
+    layers = record.get("softmax_layers")
+    return list(range(record["n_layers"])) if layers is None else list(layers)
+
+
+def softmax_heads(record: Mapping[str, Any]) -> int:
+    """Query heads in softmax blocks: the denominator of every head fraction."""
+    return len(softmax_layers_of(record)) * record["n_heads"]
+
+
+def n_sink_heads(record: Mapping[str, Any]) -> int | None:
+    """Heads with first-token selectivity >= 30x over the softmax blocks (None without the screen)."""
+    per_layer = record.get("sink_heads_per_layer")
+    return None if per_layer is None else int(sum(n for n in per_layer if n is not None))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import findings as F
-from .records import best_induction_score
+from .records import best_induction_score, n_sink_heads, softmax_heads
 from .replay import failed_revisions, merged_records, read_ablation
 from .reporting.figures import _plt, record_heatmaps, save
 from .reporting.jsonl import read_jsonl
@@ -177,11 +177,11 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
         recs = s.records
         if "sink_heads_per_layer" not in recs[-1]:
             continue
-        total = recs[-1]["n_layers"] * recs[-1]["n_heads"]
+        total = softmax_heads(recs[-1])  # heads of softmax blocks (hybrid stacks: the others have none)
         _plot(
             a1,
             s.x(),
-            [sum(r["sink_heads_per_layer"]) / total if "sink_heads_per_layer" in r else None for r in recs],
+            [n_sink_heads(r) / total if "sink_heads_per_layer" in r else None for r in recs],
             color=c,
             marker="o",
             label=s.label,
@@ -212,7 +212,12 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
 
 def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
     plt = _plt()
-    rows = [(s, s.records[-1]["sink_heads_per_layer"]) for s in stores if "sink_heads_per_layer" in s.records[-1]]
+    # blocks without softmax attention (hybrid stacks) are null: no bar
+    rows = [
+        (s, [np.nan if n is None else n for n in s.records[-1]["sink_heads_per_layer"]])
+        for s in stores
+        if "sink_heads_per_layer" in s.records[-1]
+    ]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -367,7 +372,7 @@ def _trajectory_table(s: Store) -> list[str]:
         best = best_induction_score(r)
         lines.append(
             f"| {r.get('revision') or r.get('step')} | {_tokens(r.get('tokens'))} | {_fmt(r.get('sink_rate'))} | "
-            f"{sum(r['sink_heads_per_layer']) if 'sink_heads_per_layer' in r else '—'} | "
+            f"{n_sink_heads(r) if 'sink_heads_per_layer' in r else '—'} | "
             f"{_fmt(r.get('n_induction_ge30'))} | {_fmt(r.get('n_induction_ge50'))} | "
             f"{_fmt(best)} | {_fmt(r.get('icl_score'))} | {r.get('p0_stage')} | {r.get('induction_state')} |"
         )

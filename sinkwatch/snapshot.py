@@ -10,9 +10,12 @@ from typing import Any
 from .records import jsonable
 
 # Keys of SPEC §10 in the order records are written. Values that the configured probes cannot
-# produce are absent from a record, never zero.
+# produce are absent from a record, never zero. Hybrid stacks: every attention-derived [L] / [L][H]
+# array keeps all L blocks, with null entries (a row of H nulls) for blocks without softmax
+# attention; ``softmax_layers`` lists the others. Models with learned sinks add
+# ``sink_learned_alpha`` / ``sink_learned_rate``, gated attention ``attn_gate_mean`` (extras, sorted).
 RECORD_KEYS = (
-    "model", "revision", "step", "tokens", "probe", "probe_hash", "n_layers", "n_heads",
+    "model", "revision", "step", "tokens", "probe", "probe_hash", "n_layers", "n_heads", "softmax_layers",
     "sink_rate", "sink_profile", "sink_rate_per_layer", "sink_alpha", "sink_center",
     "selectivity", "best_class", "sink_heads_per_layer", "bos_fraction_raw", "bos_fraction_bestclass",
     "induction_heads", "n_induction_ge30", "n_induction_ge50", "pr", "induction_score", "icl_score",

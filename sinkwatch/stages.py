@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
-from .records import jsonable
+from .records import jsonable, softmax_layers_of
 
 P0_STAGES = ("none", "early", "transitional", "final")
 INDUCTION_STATES = ("absent", "forming", "formed")
@@ -127,7 +127,8 @@ def classify_induction(record: Mapping[str, Any], config: StageConfig, pr_initia
 
     ``pr_initial`` (L, H), the PR at the first probe, enables the PR-lead forming signal.
     """
-    need = config.heads_needed(record["n_layers"], record["n_heads"])
+    # hybrid stacks: the heads of softmax blocks only (the others have no softmax to form a circuit)
+    need = config.heads_needed(len(softmax_layers_of(record)), record["n_heads"])
     results = []  # (state, evidence) per applicable rule
     if config.induction_rule in ("any", "selectivity") and "selectivity" in record:
         sel = np.nan_to_num(np.asarray(record["selectivity"]["induction"], dtype=float), nan=-np.inf)

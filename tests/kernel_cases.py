@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Named tolerances: both sides read the same (possibly low-precision) inputs, so errors are
@@ -39,6 +41,13 @@ def make_inputs(B, Hq, Hkv, S, D, *, dtype=torch.float32, layout="contiguous", s
 
     q, k = one(Hq), one(Hkv)
     return q.to(device), k.to(device)
+
+
+def sink_logits(Hq: int, S: int, seed: int) -> torch.Tensor:
+    """Learned sink logits of real size, one per query head: around log S (where the sink takes about as
+    much as all keys together, as trained gpt-oss sinks do) and from far below to far above it."""
+    g = torch.Generator().manual_seed(seed)
+    return math.log(max(S, 2)) + 4.0 * torch.randn(Hq, generator=g, dtype=torch.float64)
 
 
 def assert_close_to_reference(got, ref):

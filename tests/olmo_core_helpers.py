@@ -15,14 +15,18 @@ SEQ = 64
 D_MODEL, N_LAYERS, N_HEADS, N_KV_HEADS = 32, 2, 4, 2
 
 
-def token_file(dir: Path, n_tokens: int = SEQ * 64, seed: int = 0) -> str:
-    """Repeated random segments (induction-friendly text) as OLMo-core's uint16 token array."""
+def token_file(dir: Path, n_tokens: int = SEQ * 64, seed: int = 0, bos: int | None = None) -> str:
+    """Repeated random segments (induction-friendly text) as OLMo-core's uint16 token array; with
+    ``bos``, every other SEQ-token instance starts with that id (the others never do)."""
     rng = np.random.default_rng(seed)
     seg = [np.tile(rng.integers(1, VOCAB, size=16), 2) for _ in range(n_tokens // 32)]
     path = Path(dir) / "tokens.npy"
     if path.exists():  # written by rank 0 before the ranks start
         return str(path)
-    np.concatenate(seg).astype(np.uint16).tofile(path)
+    tokens = np.concatenate(seg)
+    if bos is not None:
+        tokens[:: 2 * SEQ] = bos
+    tokens.astype(np.uint16).tofile(path)
     return str(path)
 
 
@@ -53,6 +57,7 @@ def build_trainer(
     global_seqs: int = 4,
     micro_seqs: int = 2,
     dp: str | None = None,
+    hsdp_replicas: int | None = None,
     seed: int = 0,
 ):
     """A Trainer for ``steps`` steps of ``global_seqs`` x SEQ tokens, checkpoints in work/ckpt."""
@@ -76,7 +81,7 @@ def build_trainer(
     if dp is not None:
         from olmo_core.distributed.parallel import DataParallelType
 
-        dp_config = TransformerDataParallelConfig(name=DataParallelType(dp))
+        dp_config = TransformerDataParallelConfig(name=DataParallelType(dp), num_replicas=hsdp_replicas)
     train_module = TransformerTrainModuleConfig(
         rank_microbatch_size=micro_seqs * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=3e-3), dp_config=dp_config
     ).build(model, device=torch.device("cpu"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import assert_close_to_reference, make_inputs
+from kernel_cases import assert_close_to_reference, make_inputs, sink_logits
 
 from sinkwatch import attention_stats
 from sinkwatch.kernels.contract import validate
@@ -53,7 +53,14 @@ def problems(draw):
     softcap = draw(st.one_of(st.none(), st.sampled_from([2.0, 30.0])))
     block = draw(st.sampled_from([1, 7, 64, 1000, 1 << 21]))  # forces S not a multiple of the block
     scaling = 1.0 / math.sqrt(D)
-    return dict(q=q, k=k, scaling=scaling, rows=rows, cols=cols, n_first=n_first, window=window, softcap=softcap), block
+    sinks = None  # learned sink logits: none, real-sized ones, or extremes (-inf takes nothing, 60 takes nearly all)
+    kind = draw(st.sampled_from(["none", "none", "real", "extreme"]))
+    if kind == "real":
+        sinks = sink_logits(Hkv * groups, S, draw(st.integers(0, 2**16))).float()
+    elif kind == "extreme":
+        sinks = torch.tensor(draw(st.lists(st.sampled_from([-math.inf, -60.0, 0.0, 60.0]), min_size=Hkv * groups, max_size=Hkv * groups)))
+    kw = dict(q=q, k=k, scaling=scaling, rows=rows, cols=cols, n_first=n_first, window=window, softcap=softcap, sinks=sinks)
+    return kw, block
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -65,6 +72,24 @@ def test_torch_path_matches_float64_reference(case):
     got = attention_stats_torch(problem, block_elements=block)
     ref = attention_stats_reference(problem)
     assert_close_to_reference(got, ref)
+
+
+def test_a_learned_sink_joins_every_row():
+    """With sink logits the keys' probabilities plus the sink's, exp(s - lse), sum to 1 in every row,
+    the entropy is that of the widened row, and a sink of -inf changes nothing."""
+    q, k = make_inputs(2, 4, 2, 9, 8, seed=3)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 6.0])
+    out = attention_stats(q, k, 0.3, n_first=12, sinks=sinks, backend="torch")
+    sink_p = torch.exp(sinks[None, :, None] - out.lse)  # (B, Hq, Q)
+    assert torch.allclose(out.first.sum(-1) + sink_p, torch.ones(2, 4, 9), atol=1e-6)
+    assert (sink_p[:, 3] > 0.5).all()  # a sink far above the keys takes most of every row
+    p = torch.cat([out.first[..., :9], sink_p[..., None]], dim=-1)
+    widened = -(torch.special.xlogy(p, p)).sum(-1)  # masked future keys: 0 log 0 = 0
+    assert torch.allclose(out.entropy, widened, atol=1e-5)
+    plain = attention_stats(q, k, 0.3, n_first=12, backend="torch")
+    none = attention_stats(q, k, 0.3, n_first=12, sinks=torch.full((4,), -math.inf), backend="torch")
+    for a, b in zip(plain, none):
+        assert torch.equal(a, b)
 
 
 def test_probabilities_are_consistent_with_lse():
@@ -121,6 +146,8 @@ def test_memory_is_bounded_by_the_block_not_s_squared():
         (dict(q=torch.zeros(1, 2, 8, 4), k=torch.zeros(1, 2, 8, 4), n_first=-1), "n_first"),
         (dict(q=torch.zeros(1, 2, 8, 4), k=torch.zeros(1, 2, 8, 4), softcap=-1.0), "softcap"),
         (dict(q=torch.zeros(1, 2, 8, 4), k=torch.zeros(1, 2, 8, 4), backend="cuda"), "backend"),
+        (dict(q=torch.zeros(1, 2, 8, 4), k=torch.zeros(1, 2, 8, 4), sinks=torch.zeros(3)), "one logit per query head"),
+        (dict(q=torch.zeros(1, 2, 8, 4), k=torch.zeros(1, 2, 8, 4), sinks=[0.0, 1.0]), "sinks must be a float"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, message):

@@ -42,13 +42,18 @@ def steps(path) -> list[int]:
 def test_last_probe_is_in_last_ckpt_and_a_resume_neither_loses_nor_repeats_it(tmp_path):
     """every_n_steps=4, max_steps=10: the step-10 probe is taken before last.ckpt is written at
     step 10, so resuming last.ckpt to 12 gives [0, 4, 8, 10, 12] (it gave [0, 4, 8, 12])."""
-    out, ckpt_dir = tmp_path / "sw", tmp_path / "ckpt"
-    trainer(tmp_path / "a", [callback(out, every_n_steps=4), ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
-            max_steps=10, enable_checkpointing=True).fit(LitLM(build("llama")), loader(batch_size=2))  # fmt: skip
+    out, ckpt_dir = tmp_path / "sw", tmp_path / "a" / "ckpt"
+
+    def fit(run: str, max_steps: int, ckpt_path=None):
+        callbacks = [callback(out, every_n_steps=4), ModelCheckpoint(dirpath=tmp_path / run / "ckpt", save_last=True)]
+        trainer(tmp_path / run, callbacks, max_steps=max_steps, enable_checkpointing=True).fit(
+            LitLM(build("llama")), loader(batch_size=2), ckpt_path=ckpt_path
+        )
+
+    fit("a", 10)
     assert steps(out / "records.jsonl") == [0, 4, 8, 10]
     assert saved_last_step(ckpt_dir / "last.ckpt") == 10
-    trainer(tmp_path / "b", [callback(out, every_n_steps=4), ModelCheckpoint(dirpath=tmp_path / "ckpt2", save_last=True)],
-            max_steps=12, enable_checkpointing=True).fit(LitLM(build("llama")), loader(batch_size=2), ckpt_path=str(ckpt_dir / "last.ckpt"))  # fmt: skip
+    fit("b", 12, ckpt_path=str(ckpt_dir / "last.ckpt"))
     assert steps(out / "records.jsonl") == [0, 4, 8, 10, 12]
     assert not (out / "records.superseded.jsonl").exists()  # nothing rolled back: nothing lost, nothing repeated
 

@@ -133,14 +133,3 @@ def test_hf_callback_never_reads_dataset_items(tmp_path):
         return [h["loss"] for h in t.state.log_history if "loss" in h]
 
     assert losses(False) == losses(True)
-
-
-def test_hf_refuses_a_deepspeed_zero3_model_at_train_begin(tmp_path):
-    # deepspeed cannot be installed here; ZeRO-3 is recognised by the ``ds_id`` its zero.Init puts on
-    # every partitioned parameter, so a model carrying it stands in for the real engine's model
-    model = build("llama")
-    for i, p in enumerate(model.parameters()):
-        p.ds_id = i
-    cb = SinkWatchTrainerCallback(every_n_steps=3, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
-    with pytest.raises(ValueError, match="ZeRO-3.*ZeRO stage 1 or 2"):
-        Trainer(model=model, args=hf_args(tmp_path, max_steps=2), train_dataset=padded_rows(), callbacks=[cb]).train()

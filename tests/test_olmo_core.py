@@ -23,7 +23,7 @@ pytest.importorskip("olmo_core")
 from olmo_core_helpers import build_trainer, crash_callback, metrics_log_callback, model_config, model_state  # noqa: E402
 
 from sinkwatch import Monitor  # noqa: E402
-from sinkwatch.capture import OLMoCoreTarget, UnsupportedModelError  # noqa: E402
+from sinkwatch.capture import OLMoCoreTarget  # noqa: E402
 from sinkwatch.probes import InductionProbe, RepeatedRandomProbe  # noqa: E402
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 from sinkwatch.stages import StageConfig  # noqa: E402
@@ -153,11 +153,17 @@ def test_sliding_window_and_gqa_reach_the_statistics():
     seen = {}
 
     class Spy:
-        def on_attention(self, layer, query, key, scaling, window, softcap):
+        def on_attention(self, layer, query, key, scaling, window, softcap, sinks):
             seen[layer] = (tuple(query.shape), tuple(key.shape), window, scaling)
 
         def on_attention_output(self, layer, output):
             return output
+
+        def on_head_output(self, layer, output):
+            pass
+
+        def on_gate(self, layer, gate):
+            pass
 
         def on_block_output(self, layer, hidden):
             pass
@@ -168,15 +174,6 @@ def test_sliding_window_and_gqa_reach_the_statistics():
     assert logits.shape == (2, 40, 64)
     assert seen[0] == ((2, 4, 40, 8), (2, 2, 40, 8), WINDOW, 8**-0.5)
     assert seen[1][2] is None
-
-
-def test_learnable_attention_sinks_are_refused():
-    from olmo_core.nn.transformer import TransformerConfig
-
-    cfg = TransformerConfig.llama_like(d_model=32, vocab_size=64, n_layers=1, n_heads=4, hidden_size_multiple_of=16)
-    cfg.block.sequence_mixer.attention_sinks = True
-    with pytest.raises(UnsupportedModelError, match="learnable attention sinks"):
-        OLMoCoreTarget(cfg.build(init_device="cpu"))
 
 
 class _Webhook(BaseHTTPRequestHandler):

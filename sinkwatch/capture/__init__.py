@@ -15,7 +15,7 @@ from __future__ import annotations
 from .custom import CustomTarget, attend
 from .olmo_core import OLMoCoreTarget, find_olmo_core_model
 from .preserve import preserved_rng, untouched
-from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, block_hooks
+from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, capturing
 from .target import ProbeTarget
 from .transformers_target import (
     SINKWATCH_EAGER_IMPL,
@@ -60,7 +60,7 @@ __all__ = [
     "activate",
     "active_session",
     "attend",
-    "block_hooks",
+    "capturing",
     "check_supported",
     "decoder_blocks",
     "find_transformers_model",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .session import CaptureSession, Collector, activate, active_session, block_hooks
+from .session import CaptureSession, Collector, active_session, capturing
 from .target import ProbeTarget
 
 
@@ -81,8 +81,7 @@ class CustomTarget(ProbeTarget):
 
     @contextlib.contextmanager
     def capture(self, collector: Collector):
-        session = CaptureSession(collector, self.n_layers, self.name)
-        handles = []
+        session = CaptureSession(collector, self._blocks, self.name)
 
         def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
             session.begin()
@@ -91,10 +90,5 @@ class CustomTarget(ProbeTarget):
             logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
             return logits if all_logits else logits[:, -1:]
 
-        try:
-            with activate(session):
-                handles = block_hooks(self._blocks, collector)
-                yield forward
-        finally:
-            for h in handles:
-                h.remove()
+        with capturing(session):
+            yield forward

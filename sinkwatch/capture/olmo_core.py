@@ -7,14 +7,17 @@ captures *at the backend's call*: a forward hook on each ``backend`` sees that t
 backend's own output, so whichever backend the run uses computes the attention output unchanged,
 and the statistics come from the same q/k the backend consumed. Sliding windows come from the
 backend's ``window_size`` (flash convention ``(w - 1, 0)``: key j is visible from query i when
-``i - j < w``); the scale is the backend's (``head_dim ** -0.5`` when unset). Forward hooks on the
-blocks give the residual stream.
+``i - j < w``); the scale is the backend's (``head_dim ** -0.5`` when unset). Learnable attention
+sinks (``attention_sinks=True``: the torch backend gets ``sinks=`` per-head logits, one more softmax
+column) reach the statistics with q and k. Gated attention (``gate=GateConfig(...)``) multiplies the
+backend's output by ``sigmoid(w_g(x))`` *after* the backend: what each head writes (PR) and the gate
+are read at the input of ``w_out``. Block hooks map each call to its block and give the residual stream.
 
 Refused with ``UnsupportedModelError`` (a clear error at setup, never mid-run): pipeline parallelism
 (a rank holds only some blocks), tensor parallelism (a rank holds only some heads), context
-parallelism (a rank holds only part of each sequence), expert parallelism (not tested), learnable
-attention sinks (an extra softmax column the statistics would not see) and non-attention sequence
-mixers (linear attention / recurrent layers have no q·k softmax to measure).
+parallelism (a rank holds only part of each sequence), expert parallelism (not tested) and
+non-attention sequence mixers (OLMo-core's linear attention / recurrent layers need
+flash-linear-attention, which cannot run here to be tested).
 
 This module imports ``olmo_core`` only inside functions: the rest of sinkwatch never needs it.
 """
@@ -27,7 +30,7 @@ import sys
 import torch
 from torch import nn
 
-from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, block_hooks
+from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget
 
 
@@ -81,12 +84,8 @@ def check_olmo_core_supported(model: nn.Module) -> None:
         if not isinstance(backend, nn.Module):
             raise UnsupportedModelError(
                 f"{name}: block {key}'s sequence mixer {type(attention).__name__} has no attention backend (a linear-attention "
-                "or recurrent layer?); sinkwatch measures softmax attention and needs every block to have it"
-            )
-        if getattr(attention, "sinks", None) is not None:
-            raise UnsupportedModelError(
-                f"{name}: block {key} has learnable attention sinks (an extra softmax column); sinkwatch's statistics "
-                "assume plain causal softmax attention"
+                "or recurrent layer?); sinkwatch probes OLMo-core models whose every block has softmax attention (hybrid "
+                "stacks are supported through transformers)"
             )
 
 
@@ -115,7 +114,7 @@ class OLMoCoreTarget(ProbeTarget):
 
     @contextlib.contextmanager
     def capture(self, collector: Collector):
-        session = CaptureSession(collector, self.n_layers, self.name)
+        session = CaptureSession(collector, self._blocks, self.name)
         handles = []
 
         def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
@@ -125,9 +124,8 @@ class OLMoCoreTarget(ProbeTarget):
             return logits
 
         try:
-            with activate(session):
-                handles = block_hooks(self._blocks, collector)
-                handles += [
+            with capturing(session):
+                handles = [
                     block.attention.backend.register_forward_hook(_backend_hook(block.attention), with_kwargs=True)
                     for block in self._blocks
                 ]
@@ -152,6 +150,9 @@ def _backend_hook(attention: nn.Module):
         left, _right = backend.window_size
         window = None if left < 0 else left + 1  # (w - 1, 0) -> w
         scale = backend.scale if backend.scale is not None else q.shape[-1] ** -0.5
-        return session.attend(lambda: output, attention, q.transpose(1, 2), k.transpose(1, 2), scale, window, None)
+        sinks = kwargs.get("sinks")  # (Hq,) learnable sink logits, or None
+        # the gate (if any) is applied after the backend: what each head writes is w_out's input
+        projection = getattr(attention, "w_out", None)
+        return session.attend(lambda: output, attention, q.transpose(1, 2), k.transpose(1, 2), scale, window, None, sinks, projection)
 
     return hook

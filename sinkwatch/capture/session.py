@@ -1,7 +1,14 @@
 """The probe-time capture session, shared by every kind of target (SPEC §2).
 
-A ``CaptureSession`` numbers attention calls by order within one forward and fans each call out to
-the ``Collector``; ``activate`` makes it the one session the attention entry points see.
+A ``CaptureSession`` maps each attention call to the decoder block it runs in (a forward pre-hook
+on every block says which block is running), so blocks without softmax attention (Mamba, linear
+attention, convolutions in hybrid stacks) simply see no call, and one attention module shared by
+several blocks (Zamba2) counts once per block it runs in. It fans every call out to the
+``Collector``; ``activate`` makes it the one session the attention entry points see.
+
+What a head writes (PR, SPEC §5) is read where the model hands it to its output projection, when
+the target names that module: gated attention (Qwen3-Next, OLMo-core) multiplies the attention
+output by a gate between the two, and the ratio of the two tensors is the gate itself.
 """
 
 from __future__ import annotations
@@ -19,12 +26,28 @@ class Collector(Protocol):
     """What a probe computes from one forward; every method sees one micro-batch."""
 
     def on_attention(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, window: int | None, softcap: float | None
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: float,
+        window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
     ) -> None:
-        """query (B, Hq, S, D) post-RoPE, key (B, Hkv, S, D) before repeat_kv."""
+        """query (B, Hq, S, D) post-RoPE, key (B, Hkv, S, D) before repeat_kv, sinks (Hq,) learned
+        sink logits or None. ``layer`` is the index of the block the call ran in."""
 
     def on_attention_output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        """output (B, S, Hq, Dv): the input of the output projection. Return it (possibly ablated)."""
+        """output (B, S, Hq, Dv): the attention output. Return it (possibly ablated)."""
+
+    def on_head_output(self, layer: int, output: torch.Tensor) -> None:
+        """output (B, S, Hq, Dv): what each head writes, after the gate of gated attention (the
+        input of the output projection)."""
+
+    def on_gate(self, layer: int, gate: torch.Tensor) -> None:
+        """gate (B, S, Hq, Dv) float32: the factor gated attention applied to each output element
+        (NaN where the attention output was exactly 0 and the factor cannot be read)."""
 
     def on_block_output(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden (B, S, d): the residual stream after block ``layer``."""
@@ -44,54 +67,176 @@ def active_session() -> CaptureSession | None:
 
 @dataclass
 class CaptureSession:
-    """Numbers attention calls by order within one forward and fans them out to the collector."""
+    """Maps attention calls to the block they run in and fans them out to the collector.
+
+    ``hooks()`` installs the block hooks (which block is running; the residual stream after it);
+    ``begin()``/``end()`` bracket one forward. The blocks that ran softmax attention in the first
+    forward are ``softmax_layers``; every later forward must see the same ones.
+    """
 
     collector: Collector
-    n_layers: int
+    blocks: nn.ModuleList
     model_name: str
-    calls: int = 0
-    _modules: list = field(default_factory=list)
+    softmax_layers: tuple[int, ...] | None = None
+    _block: int | None = None  # the block running now
+    _called: set = field(default_factory=set)  # blocks that ran attention in this forward
+    _kinds: set = field(default_factory=set)  # classes of the modules that called attention
+    _pending: dict = field(default_factory=dict)  # id(output projection) -> (layer, attention output)
+    _projections: dict = field(default_factory=dict)  # id(output projection) -> hook handle
 
-    def __post_init__(self) -> None:
-        self._modules = [None] * self.n_layers
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
 
+    # ---- one forward ----
     def begin(self) -> None:
-        self.calls = 0
+        self._block = None
+        self._called = set()
+        self._pending = {}
 
     def end(self) -> None:
-        if self.calls != self.n_layers:
+        called = tuple(sorted(self._called))
+        if not called:
             raise UnsupportedModelError(
-                f"{self.model_name}: sinkwatch saw attention in {self.calls} of {self.n_layers} blocks; "
-                "some attention layers bypass sinkwatch (transformers' AttentionInterface or sinkwatch.attend)"
+                f"{self.model_name}: sinkwatch saw no softmax attention in any of its {self.n_layers} blocks; its attention "
+                "bypasses sinkwatch (transformers' AttentionInterface or sinkwatch.attend)"
+            )
+        if self.softmax_layers is None:
+            self._check_no_block_bypassed(called)
+            self.softmax_layers = called
+        elif called != self.softmax_layers:
+            raise UnsupportedModelError(
+                f"{self.model_name}: attention ran in blocks {list(called)} in this forward but in {list(self.softmax_layers)} "
+                "in the first; sinkwatch needs the same blocks to run softmax attention in every forward"
             )
 
-    def attend(self, delegate: Callable[[], torch.Tensor], module, query, key, scaling: float, window, softcap) -> torch.Tensor:
-        """Statistics from query/key, then ``delegate()`` -> (B, S, Hq, Dv), returned possibly ablated."""
-        layer = self.calls
-        self.calls += 1
-        if layer >= self.n_layers:
-            raise UnsupportedModelError(f"{self.model_name}: attention ran {layer + 1} times in one forward for {self.n_layers} blocks")
-        # Layers are numbered by call order; the same module must own the same slot every forward.
+    def _check_no_block_bypassed(self, called: tuple[int, ...]) -> None:
+        """A block holding an attention module of a kind that reached sinkwatch elsewhere must have
+        called it too: otherwise its attention bypassed sinkwatch, and a null row would hide it."""
+        kinds = tuple(self._kinds)
+        for i, block in enumerate(self.blocks):
+            if i in called:
+                continue
+            held = next((m for m in block.modules() if type(m) in kinds), None)
+            if held is not None:
+                raise UnsupportedModelError(
+                    f"{self.model_name}: block {i} holds a {type(held).__name__} like blocks {list(called)}, but its attention never "
+                    "reached sinkwatch (it bypasses transformers' AttentionInterface or sinkwatch.attend)"
+                )
+
+    # ---- the attention entry point of every target ----
+    def attend(
+        self,
+        delegate: Callable[[], torch.Tensor],
+        module,
+        query,
+        key,
+        scaling: float,
+        window,
+        softcap,
+        sinks: torch.Tensor | None = None,
+        output_projection: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Statistics from query/key (and learned sink logits), then ``delegate()`` -> (B, S, Hq, Dv),
+        returned possibly ablated. ``output_projection``: the module the model hands the (gated)
+        head outputs to next, so that what each head writes is read there."""
+        layer = self._block
+        if layer is None:
+            raise UnsupportedModelError(
+                f"{self.model_name}: attention ran outside its decoder blocks; sinkwatch maps every attention call to the block it runs in"
+            )
+        if layer in self._called:
+            raise UnsupportedModelError(
+                f"{self.model_name}: block {layer} ran softmax attention twice in one forward; sinkwatch measures one attention per block"
+            )
+        self._called.add(layer)
         if module is not None:
-            if self._modules[layer] is None:
-                self._modules[layer] = module
-            elif self._modules[layer] is not module:
-                raise UnsupportedModelError("attention modules ran in a different order between forwards; cannot assign layers")
-        self.collector.on_attention(layer, query, key, float(scaling), window, softcap)
-        return self.collector.on_attention_output(layer, delegate())
+            self._kinds.add(type(module))
+        self.collector.on_attention(layer, query, key, float(scaling), window, softcap, sinks)
+        out = self.collector.on_attention_output(layer, delegate())
+        if output_projection is None:
+            self.collector.on_head_output(layer, out)
+        else:
+            self._read_at(output_projection, layer, out)
+        return out
 
+    def _read_at(self, projection: nn.Module, layer: int, out: torch.Tensor) -> None:
+        key = id(projection)
+        self._pending[key] = (layer, out)
+        if key not in self._projections:
+            self._projections[key] = projection.register_forward_pre_hook(self._projection_hook(key))
 
-def block_hooks(blocks: nn.ModuleList, collector: Collector) -> list:
-    """Forward hooks handing each block's output (the residual stream) to the collector."""
-
-    def make_hook(i):
-        def hook(_module, _args, output):
-            hidden = output[0] if isinstance(output, (tuple, list)) else output
-            collector.on_block_output(i, hidden)
+    def _projection_hook(self, key: int):
+        def hook(_module, args):
+            pending = self._pending.pop(key, None)
+            if pending is None or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            layer, out = pending
+            x = args[0]
+            B, S = out.shape[:2]
+            if x.shape[:2] != (B, S) or x.numel() != out.numel():
+                self.collector.on_head_output(layer, out)  # not the heads side by side: read the attention output
+                return None
+            written = x.reshape(out.shape)  # (B, S, Hq, Dv)
+            self.collector.on_head_output(layer, written)
+            if not torch.equal(written, out):  # gated attention: the factor between the two is the gate
+                pre = out.float()
+                gate = torch.where(pre != 0, written.float() / torch.where(pre != 0, pre, 1.0), float("nan"))
+                self.collector.on_gate(layer, gate)
+            return None
 
         return hook
 
-    return [block.register_forward_hook(make_hook(i)) for i, block in enumerate(blocks)]
+    def _flush(self, layer: int) -> None:
+        """A block ended without handing its attention output to the projection: read it as it was."""
+        for key, (l, out) in list(self._pending.items()):
+            if l == layer:
+                del self._pending[key]
+                self.collector.on_head_output(layer, out)
+
+    # ---- block hooks ----
+    def hooks(self) -> list:
+        """Pre-hooks saying which block runs; hooks handing each block's output (the residual stream)
+        to the collector. Remove them (and the output-projection hooks) with ``remove``."""
+        handles = []
+        for i, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(self._enter(i)))
+            handles.append(block.register_forward_hook(self._leave(i)))
+        return handles
+
+    def _enter(self, i: int):
+        def hook(_module, _args):
+            self._block = i
+
+        return hook
+
+    def _leave(self, i: int):
+        def hook(_module, _args, output):
+            self._flush(i)
+            self._block = None
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            self.collector.on_block_output(i, hidden)
+
+        return hook
+
+    def remove_projection_hooks(self) -> None:
+        for h in self._projections.values():
+            h.remove()
+        self._projections = {}
+
+
+@contextlib.contextmanager
+def capturing(session: CaptureSession) -> Iterator[None]:
+    """Activate ``session`` with its block hooks for the duration; remove every hook afterwards."""
+    handles = []
+    try:
+        with activate(session):
+            handles = session.hooks()
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        session.remove_projection_hooks()
 
 
 @contextlib.contextmanager

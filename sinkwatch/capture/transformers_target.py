@@ -1,11 +1,15 @@
 """Capture for transformers models (SPEC §2).
 
-sinkwatch registers an attention implementation named ``sinkwatch`` (and ``sinkwatch_eager`` for
-models that were running eager attention) through ``AttentionInterface``. During a probe it sees
-every layer's post-RoPE ``query`` and un-repeated ``key``, hands them to the session's
-``Collector``, then delegates the real attention output to the implementation the model had before,
-so outputs are unchanged. Forward hooks on the decoder blocks give the residual stream. Outside a
-probe the registered functions just delegate, so they are harmless.
+sinkwatch registers an attention implementation named ``sinkwatch`` (and ``sinkwatch_eager``)
+through ``AttentionInterface``. During a probe it sees every softmax layer's post-RoPE ``query``,
+un-repeated ``key`` and learned sink logits (``s_aux``: gpt-oss and other models with attention
+sinks), hands them to the session's ``Collector``, then delegates the real attention output to
+sdpa — or to the model's eager attention when the model was running eager or its class cannot run
+sdpa at all (gpt-oss: sinks; Gemma 2: soft-capping) — so outputs are those of the model's own
+softmax. Block hooks map each call to its decoder block (hybrid stacks: Mamba / linear-attention
+blocks see none) and give the residual stream; a pre-hook on the layer's output projection reads
+what each head writes after the gate of gated attention (Qwen3-Next). Outside a probe the
+registered functions just delegate, so they are harmless.
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, block_hooks
+from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget
 
 SINKWATCH_IMPL = "sinkwatch"  # delegates to sdpa, uses sdpa's mask function
 SINKWATCH_EAGER_IMPL = "sinkwatch_eager"  # delegates to the model's eager attention, eager mask
-SUPPORTED_FAMILIES = ("gpt_neox", "llama", "olmo", "olmoe", "qwen2", "qwen3", "gpt2")
+# Families probed and compared with eager attention in the tests (tests/families.py is the table;
+# tests/test_families.py checks this tuple and the README list against it).
+SUPPORTED_FAMILIES = (
+    "gpt_neox", "llama", "olmo", "olmoe", "qwen2", "qwen3", "gpt2",
+    "gpt_oss", "gemma2", "qwen3_next", "jamba", "bamba", "zamba2", "falcon_h1",
+)  # fmt: skip
+# Where an attention module hands its (gated) head outputs on: its output projection's usual names.
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj", "wo", "w_out")
 
 
 def _sdpa_delegate(module, query, key, value, attention_mask, **kwargs):
@@ -58,7 +69,9 @@ def _make_impl(delegate: Callable) -> Callable:
             weights.append(w)
             return out
 
-        out = session.attend(run, module, query, key, scaling, window, kwargs.get("softcap"))
+        out = session.attend(
+            run, module, query, key, scaling, window, kwargs.get("softcap"), kwargs.get("s_aux"), output_projection(module)
+        )
         return out, weights[0]
 
     sinkwatch_attention.__name__ = f"sinkwatch_attention_via_{delegate.__name__.strip('_')}"
@@ -82,6 +95,24 @@ def register_attention() -> None:
     AttentionMaskInterface.register(SINKWATCH_IMPL, sdpa_mask)
     AttentionMaskInterface.register(SINKWATCH_EAGER_IMPL, eager_mask)
     _REGISTERED = True
+
+
+def output_projection(module: nn.Module) -> nn.Module | None:
+    """The attention module's output projection (its input: every head's output side by side)."""
+    for name in OUTPUT_PROJECTIONS:
+        child = getattr(module, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    return None
+
+
+def delegate_impl(model: nn.Module, previous: str) -> str:
+    """Which sinkwatch implementation probes ``model``: eager's delegate when the model was running
+    eager attention or its class cannot run sdpa (gpt-oss's sinks, Gemma 2's soft-capping: sdpa would
+    compute another softmax), else sdpa's."""
+    if previous == "eager" or not getattr(type(model), "_supports_sdpa", False):
+        return SINKWATCH_EAGER_IMPL
+    return SINKWATCH_IMPL
 
 
 def _check_no_padding(mask, seq_len: int, window: int | None) -> None:
@@ -186,9 +217,8 @@ class HFTarget(ProbeTarget):
         register_attention()
         model = self.model
         previous = model.config._attn_implementation
-        impl = SINKWATCH_EAGER_IMPL if previous == "eager" else SINKWATCH_IMPL
-        session = CaptureSession(collector, self.n_layers, type(model).__name__)
-        handles = []
+        impl = delegate_impl(model, previous)
+        session = CaptureSession(collector, self._blocks, type(model).__name__)
 
         def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
             kw = {"use_cache": False}
@@ -200,8 +230,7 @@ class HFTarget(ProbeTarget):
             return out.logits
 
         try:
-            with activate(session):
-                handles = block_hooks(self._blocks, collector)
+            with capturing(session):
                 model.set_attn_implementation(impl)
                 if model.config._attn_implementation != impl:
                     raise UnsupportedModelError(
@@ -209,7 +238,5 @@ class HFTarget(ProbeTarget):
                     )
                 yield forward
         finally:
-            for h in handles:
-                h.remove()
             if model.config._attn_implementation != previous:
                 model.set_attn_implementation(previous)

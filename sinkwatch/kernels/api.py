@@ -1,7 +1,7 @@
 """Backend dispatch of the attention-statistics primitive (SPEC §4); its contract (arguments,
 shapes, outputs) is ``sinkwatch.kernels.contract``.
 
-    attention_stats(q, k, scaling, *, rows=None, cols=None, n_first=8, window=None, softcap=None, backend="auto")
+    attention_stats(q, k, scaling, *, rows=None, cols=None, n_first=8, window=None, softcap=None, sinks=None, backend="auto")
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ def attention_stats(
     n_first: int = 8,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> AttentionStats:
     """Per-row attention statistics without materialising the S x S attention matrix.
+
+    ``sinks`` (Hq,): learnable sink logits that join every row's softmax (gpt-oss, OLMo-core);
+    every backend includes them exactly, and the sink's own probability is exp(sinks[h] - lse).
 
     ``backend``: "auto" (Triton on CUDA tensors, the chunked PyTorch path elsewhere), "triton"
     (also on CPU tensors when ``TRITON_INTERPRET=1`` was set before import), "torch", or
@@ -40,7 +44,7 @@ def attention_stats(
     is not a fault of the kernel: that call raises the out-of-memory error (the probe fails; the
     live monitor records it and training goes on) and later calls use the kernel again.
     """
-    problem = validate(q, k, scaling, rows, cols, n_first, window, softcap)  # first: q may not be a tensor
+    problem = validate(q, k, scaling, rows, cols, n_first, window, softcap, sinks)  # first: q may not be a tensor
     backend = resolve_backend(backend, problem.q.device)
     if backend == "reference":
         from .reference import attention_stats_reference

@@ -5,15 +5,19 @@ normalised problem, and the output tuple. Backends import this module, never the
     k: (B, Hkv, S, D)  keys NOT repeated for GQA: q-head h reads kv-head h // (Hq // Hkv)
     rows: (B, Q) int   query positions (None = all S rows, Q = S)
     cols: (B, Q, G) int  key positions to report, -1 = none
+    sinks: (Hq,) float   learnable sink logits (gpt-oss ``s_aux``, OLMo-core ``attention_sinks``), or None
 
 Attention is causal; a key j is also masked for query i when i - j >= window (sliding-window
 layers); logits are scaled by ``scaling`` and then soft-capped as softcap * tanh(s / softcap).
+A learned sink is one more softmax column per row, holding ``sinks[h]`` as it is (neither scaled
+nor capped, as gpt-oss and OLMo-core add it) and no value: it joins every denominator.
 
 Returns float32 tensors, never an S x S matrix:
-    lse      (B, Hq, Q)            natural-log log-sum-exp of the scaled, masked logits
-    entropy  (B, Hq, Q)            attention entropy in nats
+    lse      (B, Hq, Q)            natural-log log-sum-exp of the scaled, masked logits (and the sink)
+    entropy  (B, Hq, Q)            attention entropy in nats (over the keys and the sink)
     first    (B, Hq, Q, n_first)   probability on keys 0..n_first-1 (0 where key > query or key >= S)
     gathered (B, Hq, Q, G)         probability on cols (0 where col is -1 or col > query)
+The sink's own probability is exp(sinks[h] - lse).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class StatsProblem(NamedTuple):
     n_first: int
     window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None  # (Hq,) on q.device, or None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -70,7 +75,7 @@ def _index_tensor(x, name: str, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.int64)
 
 
-def validate(q, k, scaling, rows=None, cols=None, n_first=8, window=None, softcap=None) -> StatsProblem:
+def validate(q, k, scaling, rows=None, cols=None, n_first=8, window=None, softcap=None, sinks=None) -> StatsProblem:
     """Check every argument of ``attention_stats`` and return them normalised."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
@@ -116,7 +121,13 @@ def validate(q, k, scaling, rows=None, cols=None, n_first=8, window=None, softca
             raise ValueError(f"cols must be (B, Q, G) = ({B}, {Q}, G); got shape {tuple(cols.shape)}")
         if cols.numel() and (int(cols.min()) < -1 or int(cols.max()) >= S):
             raise ValueError(f"cols must be key positions in [0, {S}) or -1 for none; got values in [{int(cols.min())}, {int(cols.max())}]")
-    return StatsProblem(q, k, float(scaling), rows, cols, n_first, window, softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must be a float torch.Tensor of sink logits, one per query head; got {type(sinks).__name__}")
+        if sinks.shape != (Hq,):
+            raise ValueError(f"sinks must hold one logit per query head: shape ({Hq},); got {tuple(sinks.shape)}")
+        sinks = sinks.detach().to(q.device)
+    return StatsProblem(q, k, float(scaling), rows, cols, n_first, window, softcap, sinks)
 
 
 def empty_outputs(problem: StatsProblem) -> AttentionStats:
@@ -129,3 +140,25 @@ def empty_outputs(problem: StatsProblem) -> AttentionStats:
         first=torch.full((B, Hq, Q, problem.n_first), float("nan"), **kw),
         gathered=torch.full((B, Hq, Q, G), float("nan"), **kw),
     )
+
+
+def fold_sinks(stats: AttentionStats, problem: StatsProblem) -> AttentionStats:
+    """Add the learned sink column to statistics computed over the keys alone (no-op without sinks).
+
+    Exact, per row, through the log-sum-exp: with s the sink logit, lse' = logaddexp(lse, s); the
+    keys keep r = exp(lse - lse') of the mass and the sink takes q = exp(s - lse') = 1 - r, so every
+    key probability becomes p * r and the entropy of the widened row is
+        H' = -sum_j r p_j log(r p_j) - q log q = r (H - log r) - q log q,
+    with log r = lse - lse' and log q = s - lse' taken from the logits (no log of a tiny r or q).
+    The fast backends call this on their float32 outputs; the float64 reference does not (it
+    materialises the sink column), so the tests compare two independent computations.
+    """
+    if problem.sinks is None:
+        return stats
+    s = problem.sinks.to(device=stats.lse.device, dtype=torch.float32)[None, :, None]  # (1, Hq, 1)
+    lse = torch.logaddexp(stats.lse, s)  # (B, Hq, Q)
+    log_r, log_q = stats.lse - lse, s - lse
+    r, q = log_r.exp(), log_q.exp()
+    sink_term = torch.where(q > 0, q * log_q, torch.zeros_like(q))  # a sink of -inf takes nothing
+    entropy = r * (stats.entropy - log_r) - sink_term
+    return AttentionStats(lse, entropy, stats.first * r[..., None], stats.gathered * r[..., None])

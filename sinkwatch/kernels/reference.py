@@ -1,7 +1,8 @@
 """Float64 reference for ``attention_stats``: materialises the full attention matrix.
 
 Written to be obviously right, not fast: repeat k over GQA groups, build the (B, Hq, S, S)
-probability matrix in float64 with an explicit mask, then read every statistic off it.
+probability matrix in float64 with an explicit mask (and the learned sink as an explicit extra
+column), then read every statistic off it.
 Used by the tests as the ground truth for the PyTorch and Triton backends; unlike the other
 backends it returns float64, so a comparison sees the fast path's own rounding only.
 """
@@ -26,14 +27,18 @@ def attention_stats_reference(problem: StatsProblem) -> AttentionStats:
     if problem.window is not None:
         allowed = allowed & (i - j < problem.window)
     logits = logits.masked_fill(~allowed, float("-inf"))
+    if problem.sinks is not None:  # the learned sink: one more column in every row, logit as given
+        sink = problem.sinks.double().view(1, Hq, 1, 1).expand(B, Hq, S, 1)
+        logits = torch.cat([logits, sink], dim=-1)  # (B, Hq, S, S + 1)
     lse = torch.logsumexp(logits, dim=-1)  # (B, Hq, S)
-    probs = torch.softmax(logits, dim=-1)  # (B, Hq, S, S)
+    probs = torch.softmax(logits, dim=-1)  # (B, Hq, S, S [+ 1])
     entropy = -torch.where(probs > 0, probs * probs.log(), torch.zeros_like(probs)).sum(-1)
 
     positions = problem.query_positions()  # (B, Q)
     row_index = positions[:, None, :].expand(B, Hq, Q)
     lse = lse.gather(2, row_index)
     entropy = entropy.gather(2, row_index)
+    probs = probs[..., :S]  # the keys' probabilities (the sink column, if any, dropped after the entropy)
     probs = probs.gather(2, row_index[..., None].expand(B, Hq, Q, S))  # (B, Hq, Q, S)
 
     first = torch.zeros(B, Hq, Q, problem.n_first, dtype=torch.float64, device=q.device)

@@ -7,13 +7,14 @@ viewing the q heads of one kv head as extra rows, so k is never repeated.
 
 Inside a block everything is exact softmax in float32: logits, their log-sum-exp, then
     log p_ij = s_ij - lse_i,   entropy_i = -sum_j p_ij log p_ij,   p on chosen columns.
+Learned sink logits join afterwards, exactly, through each row's lse (``contract.fold_sinks``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .contract import AttentionStats, StatsProblem, empty_outputs
+from .contract import AttentionStats, StatsProblem, empty_outputs, fold_sinks
 
 # Logits per block: 2^21 float32 numbers = 8 MiB, three such temporaries live at once.
 DEFAULT_BLOCK_ELEMENTS = 1 << 21
@@ -80,4 +81,4 @@ def attention_stats_torch(problem: StatsProblem, block_elements: int = DEFAULT_B
                     index = cols.clamp(0, n_keys - 1)[:, None].expand(nb, Hq, nq, G)
                     picked = p.gather(-1, index).masked_fill_(invalid[:, None], 0.0)
                     out.gathered[b0:b1, :, r0:r1] = picked
-    return out
+    return fold_sinks(out, problem)  # learned sinks: exact, through each row's lse

@@ -8,6 +8,9 @@ One program handles BLOCK_M query rows of one (sequence, q-head):
     pass 2  probabilities on keys 0..n_first-1:  exp(s - lse)
     pass 3  probabilities on the gathered columns, one column per step: exp(q . k_col * scale - lse)
 
+Learned sink logits are folded in after the launch, exactly, through each row's lse
+(``contract.fold_sinks``): the kernel itself only ever sees keys.
+
 GQA by index (q-head h reads kv-head h // groups; k is never repeated), arbitrary strides,
 float32/float16/bfloat16 inputs with float32 accumulation. A subset of rows costs O(S) per row.
 16-bit inputs hold q and use the tensor-core product; float32 inputs take the exact FMA product in
@@ -28,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import AttentionStats, StatsProblem, empty_outputs
+from .contract import AttentionStats, StatsProblem, empty_outputs, fold_sinks
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # finite "minus infinity": keeps exp(m_old - m_new) well defined before any valid key. A constexpr:
@@ -274,4 +277,4 @@ def attention_stats_triton(problem: StatsProblem) -> AttentionStats:
                 window=problem.window is not None, softcap=problem.softcap is not None, float32=q.dtype == torch.float32,
             ),
         )  # fmt: skip
-    return out
+    return fold_sinks(out, problem)  # learned sinks: exact, through each row's lse (no kernel change)

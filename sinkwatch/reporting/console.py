@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..records import best_induction_score
+from ..records import best_induction_score, n_sink_heads, softmax_heads, softmax_layers_of
 from .base import Reporter
 
 
 def _fmt(x, spec=".3f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _mean(rows) -> float | None:
+    values = [v for row in rows for v in (row or []) if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def one_line(record: Mapping[str, Any]) -> str:
@@ -38,15 +43,17 @@ def one_line(record: Mapping[str, Any]) -> str:
 def summary(record: Mapping[str, Any]) -> str:
     """A short multi-line summary for ``sinkwatch probe``."""
     L, H = record["n_layers"], record["n_heads"]
+    softmax = softmax_layers_of(record)
+    hybrid = f", softmax attention in blocks {softmax}" if len(softmax) < L else ""
     lines = [
         f"{record['model']}"
         + (f" @ {record['revision']}" if record.get("revision") else "")
-        + f"  ({L} layers x {H} heads; probe {record['probe']} {record['probe_hash']})"
+        + f"  ({L} layers x {H} heads{hybrid}; probe {record['probe']} {record['probe_hash']})"
     ]
     if "sink_rate" in record:
         lines.append(
             f"  attention sinks : rate {_fmt(record['sink_rate'])} (Gu Sink_0, eps 0.3), centre position {record['sink_center']}, "
-            f"per layer {[round(x, 2) for x in record['sink_rate_per_layer']]}"
+            f"per layer {[None if x is None else round(x, 2) for x in record['sink_rate_per_layer']]}"
         )
         rho = record.get("p0_norm_ratio") or []
         lines.append(
@@ -55,13 +62,20 @@ def summary(record: Mapping[str, Any]) -> str:
         )
     if "sink_heads_per_layer" in record:
         lines.append(
-            f"  sink heads      : {sum(record['sink_heads_per_layer'])} of {L * H} (first-token >= 30x), "
+            f"  sink heads      : {n_sink_heads(record)} of {softmax_heads(record)} (first-token >= 30x), "
             f"per layer {record['sink_heads_per_layer']}"
         )
         lines.append(
             f"  induction heads : {record['n_induction_ge50']} at >= 50x {record['induction_heads'][:8]}, "
             f"{record['n_induction_ge30']} at >= 30x"
         )
+    if record.get("sink_learned_alpha") is not None:
+        lines.append(
+            f"  learned sinks   : rate {_fmt(record.get('sink_learned_rate'))} (heads whose learned sink takes > 0.3 of a row), "
+            f"mean mass {_fmt(_mean(record['sink_learned_alpha']))}"
+        )
+    if record.get("attn_gate_mean") is not None:
+        lines.append(f"  attention gates : mean gate {_fmt(_mean(record['attn_gate_mean']))} over gated heads")
     if "induction_score" in record:
         best = best_induction_score(record)
         lines.append(f"  prefix matching : best head {_fmt(best)}, ICL score {_fmt(record.get('icl_score'), '+.3f')} nats")

@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any
 
-from ..records import HEAD_CLASS_COLUMNS, best_induction_score, head_class_rows
+from ..records import HEAD_CLASS_COLUMNS, best_induction_score, head_class_rows, n_sink_heads
 from ..stages import INDUCTION_STATES, P0_STAGES
 from .base import Reporter
 
@@ -66,8 +66,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         "probe_seconds",
     ):
         put(key, record.get(key))
-    if record.get("sink_heads_per_layer") is not None:
-        put("n_sink_heads", sum(record["sink_heads_per_layer"]))
+    put("n_sink_heads", n_sink_heads(record))  # over softmax blocks (hybrid stacks: the others are null)
     if record.get("induction_score") is not None:
         put("induction_score_max", best_induction_score(record))
     if isinstance(record.get("induction_target"), dict):
