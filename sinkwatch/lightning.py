@@ -4,7 +4,11 @@
     trainer = lightning.Trainer(callbacks=[SinkWatchCallback()])
 
 Probes after every ``every_n_steps``-th optimizer step (de-duplicated on ``trainer.global_step``:
-the batch-end hook fires per micro-batch), at step 0 and at the end. Strategies: single device,
+the batch-end hook fires per micro-batch), at step 0 and at the end. The last step is probed
+before the checkpoint saved at it (Lightning runs ``ModelCheckpoint`` last in each hook, and saves
+in the batch-end, epoch-end or validation-end hook, all before ``on_train_end``), so a resume from
+``last.ckpt`` neither loses nor repeats it. Log-spaced steps span Lightning's estimate of the run
+(``trainer.estimated_stepping_batches``: ``max_steps``, or ``max_epochs`` x batches per epoch). Strategies: single device,
 DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
 FSDP v1 (every rank probes together; the parameters no inner unit owns are gathered through the
@@ -14,6 +18,7 @@ global rank 0 reports (docs/live.md, "Distributed training").
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 try:
@@ -41,15 +46,45 @@ def data_parallel_size(trainer) -> int:
     return max(1, int(kwargs.get("num_replicas", trainer.world_size) or 1))
 
 
+def planned_steps(trainer) -> int | None:
+    """Optimizer steps the fit will take, as Lightning estimates them (``max_steps``, or ``max_epochs``
+    x batches per epoch / gradient accumulation, whichever is smaller); None when it cannot know
+    (an iterable dataset without ``__len__`` and no ``max_steps``, or ``max_epochs=-1``)."""
+    try:
+        steps = trainer.estimated_stepping_batches  # loads the train dataloader early, as configure_optimizers may
+    except Exception:  # noqa: BLE001 - e.g. an accumulation schedule that changes by epoch
+        return None
+    if steps is None or not math.isfinite(steps) or steps < 1:
+        return None
+    return int(steps)
+
+
+def fit_ends_after(trainer, batch_idx: int) -> bool:
+    """Whether the optimizer step just taken is the fit's last by the trainer's limits: ``max_steps``
+    reached, or the last batch of the last epoch (where Lightning always steps). Every rank agrees
+    (no collective needed). A stop decided later (EarlyStopping, Timer) shows in ``trainer.should_stop``."""
+    if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    n = trainer.num_training_batches
+    if isinstance(n, (int, float)) and math.isfinite(n) and batch_idx + 1 >= n:
+        return True
+    # an iterable dataset without length: the data fetcher looks one batch ahead
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
 class SinkWatchCallback(Callback):
     """Watch attention sinks and induction heads form during ``Trainer.fit``.
 
     Args:
         config: a ``sinkwatch.live.LiveConfig`` (default: all defaults); keyword options override its fields.
         every_n_steps: probe after every N-th optimizer step (default 250; None: only log-spaced/start/end).
-        log_spaced: also ~N log-spaced steps in [1, max_steps] (default None).
+        log_spaced: also ~N log-spaced steps in [1, the run's steps] (default None); the run's steps are
+            ``trainer.estimated_stepping_batches``; unknown (streaming data, no ``max_steps``): one warning, none.
         probe_at_start: probe the initial model at step 0 (default True).
-        probe_at_end: probe the last step if not already probed (default True).
+        probe_at_end: probe the last step if not already probed, before the checkpoint saved at it (default True).
         out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
         tokens_per_step: tokens per optimizer step (default None: counted from the training batches).
         probes: probe recipes or ``ProbeSet``s (default None: induction 100 x 256, repeated 32 x 128 and
@@ -82,7 +117,7 @@ class SinkWatchCallback(Callback):
             pl_module,
             is_global_zero=trainer.is_global_zero,
             wrapped=trainer.strategy.model or pl_module,
-            max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
+            max_steps=planned_steps(trainer) if self.config.log_spaced else None,
             world_size=data_parallel_size(trainer),
             wandb_run=_wandb_run(trainer) if trainer.is_global_zero else None,
             # DeepSpeedStrategy's own flag (no deepspeed import); the parameters' ``ds_id`` and tensor-parallel
@@ -107,9 +142,21 @@ class SinkWatchCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.live.batch_end(batch)
         self.live.step_end(trainer.global_step)
+        if fit_ends_after(trainer, batch_idx):
+            # the last step, probed now: ModelCheckpoint saves it later in this hook or at epoch/validation end
+            self.live.train_end(trainer.global_step)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # a stop decided in the very hook that saves (EarlyStopping, Timer: both run before ModelCheckpoint)
+        # shows only here: probe the last step now and put the state after that probe into this checkpoint
+        if trainer.should_stop and not trainer.sanity_checking and "callbacks" in checkpoint:
+            before = self.live.last_probed_step
+            self.live.train_end(trainer.global_step)
+            if self.live.last_probed_step != before:
+                checkpoint["callbacks"][self.state_key] = self.state_dict()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.live.train_end(trainer.global_step)
+        self.live.train_end(trainer.global_step)  # a no-op when the last step was probed above
         self.live.finish()
 
     def state_dict(self) -> dict:

@@ -40,7 +40,7 @@ from .monitor import Monitor, MonitorConfig
 from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
 from .reporting.console import ConsoleReporter
-from .reporting.jsonl import JSONLReporter
+from .reporting.jsonl import PROBES_FILE, JSONLReporter
 from .reporting.wandb_run import WANDB_MODES
 from .stages import StageConfig
 
@@ -253,6 +253,13 @@ class LiveMonitor:
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
+        if self.config.log_spaced and self.max_steps is None:
+            self._warn(
+                "log-spaced",
+                f"sinkwatch: log_spaced={self.config.log_spaced} needs the number of optimizer steps the run will take, and the "
+                "trainer cannot say (Lightning: an iterable dataset without __len__ and no max_steps, or max_epochs=-1); no "
+                "log-spaced steps are probed (every_n_steps, the first and the last step still are). Set the trainer's max_steps.",
+            )
         if self.rank.reports_here:
             self.reporter = self._make_reporters(wandb_run)
         self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
@@ -269,7 +276,8 @@ class LiveMonitor:
 
     def _make_reporters(self, wandb_run) -> Reporter:
         cfg = self.config
-        self.jsonl = JSONLReporter(cfg.out_dir)
+        # a store holds one run: unless a checkpoint's state resumes this one first, an earlier run's files move aside
+        self.jsonl = JSONLReporter(cfg.out_dir, new_run=True)
         reporters: list[Reporter] = [self.jsonl]
         if cfg.console:
             reporters.append(ConsoleReporter())
@@ -483,7 +491,7 @@ class LiveMonitor:
         self.config_hash = config_hash(self._probe_hashes, self.monitor.config)
         if self.jsonl is not None:  # the live store keeps them too, for checkpoints without a trainer state
             try:
-                save_live_probes(self.state_dict(), self.jsonl.dir)
+                self.jsonl.write_probes(live_probes(self.state_dict()))
             except (OSError, TypeError, ValueError) as exc:  # never a lost probe or a stopped run over this file
                 self._warn("probes.json", f"sinkwatch: could not write probes.json to {self.jsonl.dir} ({exc}); replay then needs --probe")
 
@@ -516,6 +524,12 @@ class LiveMonitor:
         self.tokens_counted = self.tokens_counted or self.tokens_seen > 0
         self.last_probed_step = state.get("last_probed_step")
         self.n_probes = int(state.get("n_probes") or 0)
+        if self.jsonl is not None:  # the store is this run's: settled before anything writes to it (probes.json, below)
+            moved = self.jsonl.resume(self.last_probed_step)
+            if moved:
+                self._warn(
+                    "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
+                )
         saved_hashes = state.get("probe_hashes")
         self.monitor = self._build_monitor()
         self._check_probe_hashes()
@@ -539,24 +553,16 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
-        if self.jsonl is not None:
-            moved = self.jsonl.rewind(self.last_probed_step)
-            if moved:
-                self._warn(
-                    "rewind", f"sinkwatch: resumed at step {self.last_probed_step}; {moved} later log lines moved to *.superseded.jsonl"
-                )
 
 
-LIVE_PROBES_FILE = "probes.json"
+LIVE_PROBES_FILE = PROBES_FILE
 
 
-def save_live_probes(state: dict, out_dir) -> None:
-    """``probes.json`` in a live store: the probe sets' hashes and parameters and the frozen natural
-    windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
-    from pathlib import Path
-
+def live_probes(state: dict) -> dict:
+    """What ``probes.json`` of a live store holds: the probe sets' hashes and parameters and the frozen
+    natural windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
     keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
-    Path(out_dir, LIVE_PROBES_FILE).write_text(json.dumps({k: state[k] for k in keys}))
+    return {k: state[k] for k in keys}
 
 
 def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:

@@ -54,6 +54,36 @@ class Store:
         self.protocol = self.protocols[0] if len(self.protocols) == 1 else "mixed: " + ", ".join(self.protocols)
         self.has_tokens = all(r.get("tokens") is not None for r in self.records)
         self.ablation = read_ablation(self.path)  # DIR/ablation.json: the group ablation, when the replay ran it
+        self.segment_note = ""
+
+    def segments(self) -> list[Store]:
+        """One series per run and configuration in this store, each drawn as its own line.
+
+        A live store read in file order is cut where ``config_hash`` changes (a resume with other
+        probes or stage thresholds: the numbers are not comparable across it) and where the step does
+        not increase (a run appended to an earlier run's file, as sinkwatch did before each new run
+        moved the old store aside). Replay stores, and a live store that is one segment, are themselves.
+        """
+        if self.is_replay:
+            return [self]
+        rows = [r for r in read_jsonl(self.path / "records.jsonl") if "n_layers" in r]  # file order, not sorted by step
+        runs = split_segments(rows)
+        if len(runs) < 2:
+            return [self]
+        hashes = [seg[0].get("config_hash") for seg in runs]
+        out = []
+        for i, (seg, events) in enumerate(zip(runs, _events_by_segment(self.events, runs))):
+            part = copy.copy(self)
+            part.records = seg
+            part.events = events
+            part.has_tokens = all(r.get("tokens") is not None for r in seg)
+            tag = hashes[i] or "no config_hash"
+            part.label = f"{self.label} [{tag}]" if hashes.count(hashes[i]) == 1 else f"{self.label} [{tag} run {i + 1}]"
+            part.segment_note = (
+                f"segment {i + 1} of {len(runs)} in this store: config_hash {hashes[i]}, steps {seg[0].get('step')}-{seg[-1].get('step')}"
+            )
+            out.append(part)
+        return out
 
     def series(self) -> list[Store]:
         """One view per run (OLMo-2's stage-2 ingredients are parallel runs): the main run, then each
@@ -79,6 +109,35 @@ class Store:
 
     def column(self, key: str, fn=lambda v: v) -> list:
         return [fn(r[key]) if r.get(key) is not None else None for r in self.records]
+
+
+def split_segments(records: Sequence[dict]) -> list[list[dict]]:
+    """Live records in file order, cut into runs of one ``config_hash`` and increasing steps."""
+    runs: list[list[dict]] = []
+    for r in records:
+        prev = runs[-1][-1] if runs else None
+        step, prev_step = r.get("step"), (prev or {}).get("step")
+        if (
+            prev is None
+            or r.get("config_hash") != prev.get("config_hash")
+            or (step is not None and prev_step is not None and step <= prev_step)
+        ):
+            runs.append([])
+        runs[-1].append(r)
+    return runs
+
+
+def _events_by_segment(events: Sequence[dict], runs: Sequence[Sequence[dict]]) -> list[list[dict]]:
+    """Each event under the segment whose steps hold its step. Segments whose step ranges overlap
+    (runs appended to one file) cannot be told apart by step: their events stay with the last such
+    segment, which says so."""
+    spans = [(seg[0].get("step") or 0, seg[-1].get("step") or 0) for seg in runs]
+    out: list[list[dict]] = [[] for _ in runs]
+    for e in events:
+        step = e.get("step") or 0
+        hits = [i for i, (a, b) in enumerate(spans) if a <= step <= b]
+        out[hits[-1] if hits else len(runs) - 1].append({**e, "ambiguous": True} if len(hits) > 1 else e)
+    return out
 
 
 def _x_label(stores: Sequence[Store]) -> str:
@@ -646,7 +705,7 @@ def build_report(
     (default: the packaged Xu 2026 data).
     """
     reference = reference or F.load_reference()
-    loaded = [Store(p, reference) for p in stores]
+    loaded = [part for p in stores for part in Store(p, reference).segments()]
     out = Path(out_dir) if out_dir else loaded[0].path / "report"
     out.mkdir(parents=True, exist_ok=True)
     loaded = [view for s in loaded for view in s.series()]  # a parallel run is its own series
@@ -659,7 +718,10 @@ def build_report(
     ]
     heatmaps = [n for i, s in enumerate(loaded) for n in figure_heatmaps(s, out, i)]
     md = ["# sinkwatch report", ""]
-    md += ["Stores:", ""] + [f"- `{s.path}`: {s.label}, {len(s.records)} records, protocol **{s.protocol}**" for s in loaded] + [""]
+    md += ["Stores:", ""] + [
+        f"- `{s.path}`: {s.label}, {len(s.records)} records, protocol **{s.protocol}**" + (f" ({s.segment_note})" if s.segment_note else "")
+        for s in loaded
+    ] + [""]
     for name in figures:
         if name:
             md += [f"![{name}]({name})", ""]
@@ -680,7 +742,11 @@ def build_report(
             )
         if s.events:
             md += ["Stage events (the live tracker's rules, docs/stages.md):", ""]
-            md += [f"- {e['message']} (evidence: {e.get('evidence')})" for e in s.events] + [""]
+            md += [
+                f"- {e['message']} (evidence: {e.get('evidence')})"
+                + (" (several runs in this file reached this step: the event may be another run's)" if e.get("ambiguous") else "")
+                for e in s.events
+            ] + [""]
         md += _findings_section(s, reference)
         md += _ablation_lines(s, reference)
         comps = head_comparisons(s, per_head)

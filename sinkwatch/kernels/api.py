@@ -35,9 +35,14 @@ def attention_stats(
 
     ``backend``: "auto" (Triton on CUDA tensors, the chunked PyTorch path elsewhere), "triton"
     (also on CPU tensors when ``TRITON_INTERPRET=1`` was set before import), "torch", or
-    "reference" (float64, materialising; for tests only). If the Triton kernel cannot compile or
-    launch ("auto" or "triton"), the call falls back to the torch path and so does every later
-    call in the process, after one warning.
+    "reference" (float64, materialising; for tests only).
+
+    Faults of the Triton kernel ("auto" or "triton"): if it cannot compile or launch, or its first
+    launch on a device faults (the stream is synchronized once per device, so an asynchronous fault
+    is attributed to the kernel there, not to whatever synchronizes next), the call falls back to the
+    torch path and so does every later call in the process, after one warning. Running out of memory
+    is not a fault of the kernel: that call raises the out-of-memory error (the probe fails; the
+    live monitor records it and training goes on) and later calls use the kernel again.
     """
     problem = validate(q, k, scaling, rows, cols, n_first, window, softcap, sinks)  # first: q may not be a tensor
     backend = resolve_backend(backend, problem.q.device)
@@ -46,21 +51,63 @@ def attention_stats(
 
         return attention_stats_reference(problem)
     if backend == "triton":
-        try:
-            from .triton_stats import attention_stats_triton
-
-            return attention_stats_triton(problem)
-        except Exception as exc:  # noqa: BLE001 - compile/launch failures: an older GPU, a dtype or driver it lacks
-            _mark_triton_unusable(exc)
+        out = _triton_or_none(problem)
+        if out is not None:
+            return out
     from .torch_chunked import attention_stats_torch
 
     return attention_stats_torch(problem)
+
+
+def _triton_or_none(problem) -> AttentionStats | None:
+    """The Triton kernel's statistics; None once it failed here (the caller takes the torch path)."""
+    try:
+        from .triton_stats import attention_stats_triton
+
+        out = attention_stats_triton(problem)
+        _first_launch_done(problem.q.device)
+        return out
+    except Exception as exc:  # noqa: BLE001 - compile/launch failures: an older GPU, a dtype or driver it lacks
+        if is_out_of_memory(exc):
+            raise  # transient: the memory the training run holds right now; the process keeps the kernel
+        _mark_triton_unusable(exc)
+        return None
 
 
 # Why the Triton kernel failed in this process, or None. Set once by the first failure: every later
 # call (and ``resolve_backend``, which names the backend in each record) goes to the torch path, so
 # a probe never mixes the two and a kernel that cannot compile is not recompiled at every layer.
 _triton_failure: str | None = None
+# Devices whose first launch was synchronized and came back clean.
+_checked_devices: set[str] = set()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed for want of memory (``torch.OutOfMemoryError``, a CUDA "out of
+    memory", the CPU allocator's "can't allocate memory"), here or in an exception it chains."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).lower()
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _first_launch_done(device: torch.device) -> None:
+    """After the kernel's first launch on ``device``: wait for it, so a fault it caused raises here,
+    inside ``attention_stats``'s fallback, instead of at the next synchronizing call of the run."""
+    key = str(device)
+    if key not in _checked_devices:
+        _synchronize(device)
+        _checked_devices.add(key)
+
+
+def _synchronize(device: torch.device) -> None:
+    # CUDA launches are asynchronous; the CPU interpreter's are not (nothing to wait for)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _mark_triton_unusable(exc: BaseException) -> None:
