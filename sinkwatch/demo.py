@@ -125,9 +125,7 @@ def run_demo(
     if threads:
         torch.set_num_threads(threads)
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "records.jsonl").unlink(missing_ok=True)
-    (out_dir / "events.jsonl").unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)  # an earlier demo's records move to out/earlier-runs/ (one store per run)
     pl.seed_everything(seed, verbose=False)
     corpus = stdlib_bytes()
     model = build_model(seed)

@@ -342,6 +342,7 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     the JSONL, the console lines, the W&B scalars, heatmaps and head-class table, `sinkwatch report`,
     the findings and group ablation; counts are over the softmax heads and nothing reads a null as a fault."""
     import wandb
+
     from sinkwatch import findings
     from sinkwatch.live import _has_non_finite
     from sinkwatch.records import head_class_rows, n_sink_heads, softmax_heads

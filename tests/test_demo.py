@@ -9,6 +9,9 @@ from sinkwatch.reporting.jsonl import read_jsonl
 def test_demo_writes_records_and_a_consistent_report(tmp_path, capsys):
     """`sinkwatch demo` writes records at every probe step and a report whose rows and figures match them."""
     out = tmp_path / "demo"
+    out.mkdir()
+    earlier = '{"model": "an earlier demo", "step": 0, "n_layers": 3}\n'
+    (out / "records.jsonl").write_text(earlier)  # an earlier run's store: kept, moved aside, never deleted
     assert main(["demo", "--steps", "40", "--every", "20", "--out", str(out), "--wandb", "offline"]) == 0
     printed = capsys.readouterr().out
     assert "report:" in printed and str(out / "report" / "report.md") in printed
@@ -23,6 +26,8 @@ def test_demo_writes_records_and_a_consistent_report(tmp_path, capsys):
         assert (out / "report" / png).stat().st_size > 5000
     assert list((out / "report").glob("heatmap_*_step40_sink_alpha.png"))
     assert list((out / "wandb").glob("offline-run-*"))  # a real offline W&B run
+    (aside,) = (out / "earlier-runs").iterdir()
+    assert (aside / "records.jsonl").read_text() == earlier
 
 
 def test_demo_data_is_deterministic_and_half_periodic():
