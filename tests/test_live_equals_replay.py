@@ -18,6 +18,7 @@ from sinkwatch import InductionProbe, RepeatedRandomProbe
 from sinkwatch.cli import main
 from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.lightning import SinkWatchCallback
+from sinkwatch.replay import record_files
 from sinkwatch.reporting.jsonl import read_jsonl
 
 N, SEQ = 16, 64
@@ -52,7 +53,7 @@ def _replay(checkpoints: dict, tmp_path: Path, repo: str) -> list[dict]:
     argv += ["--probe", "induction,repeated", "--n", str(N), "--seq-len", str(SEQ), "--batch-tokens", "16384"]
     argv += ["--tokens-per-step", str(BATCH * LENGTH), "--wandb", "disabled", "--no-progress"]
     assert main(argv) == 0
-    return read_jsonl(out / "records.jsonl")
+    return [r for p in record_files(out) for r in read_jsonl(p)]  # each replay worker writes its own records file
 
 
 def _assert_equal(live: list[dict], replayed: list[dict]) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,18 @@ def _stored_record(out_dir, revision: str, key: dict) -> dict | None:
 
 
 def run_ablation(
-    monitor: Monitor, recipe: Recipe, revision: str, *, out_dir, key: dict, dtype: str, device=None, cache_dir=None, bar=None
+    monitor: Monitor,
+    recipe: Recipe,
+    revision: str,
+    *,
+    out_dir,
+    key: dict,
+    dtype: str,
+    device=None,
+    cache_dir=None,
+    bar=None,
+    local_folder: Callable[[], str] | None = None,
+    device_map: dict | None = None,
 ) -> dict:
     """Group ablation of the >= 50x induction circuit at ``revision``, written to ``DIR/ablation.json``.
 
@@ -91,7 +103,17 @@ def run_ablation(
     "paper": the model in float16 and the paper's control (``paper_ablation_sets``); protocol
     "sinkwatch": the replay's dtype and ``Monitor.ablate``'s own draw. Done already (same key): skipped.
     A failure is written with its reason and warned about; a rerun retries it. Returns the result.
+
+    ``local_folder``: returns the revision's downloaded folder (the replay's fetcher: by commit,
+    retried, evicted after), called when the model is first loaded; without it the model is loaded
+    from the hub by name. ``device_map``: where the weights load (``load_model``).
     """
+
+    def load(as_dtype: str):
+        if local_folder is not None:
+            return load_model(local_folder(), dtype=as_dtype, device=device, device_map=device_map)
+        return load_model(recipe.model, revision=revision, dtype=as_dtype, device=device, cache_dir=cache_dir, device_map=device_map)
+
     wanted = ablation_key(key, revision)
     stored = read_ablation(out_dir)
     if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == wanted:
@@ -107,7 +129,7 @@ def run_ablation(
         screen = {"screen": "record"}
         if record is None:
             _status(bar, revision, "screen for the ablation")
-            model = load_model(recipe.model, revision=revision, dtype=dtype, device=device, cache_dir=cache_dir)
+            model = load(dtype)
             if paper and dtype in ("float16", "bfloat16"):
                 model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
             record = monitor.probe(model, track=False, revision=revision, model_name=recipe.model).to_record()
@@ -121,7 +143,7 @@ def run_ablation(
             model = None
             gc.collect()
             _status(bar, revision, f"load in {abl_dtype} for the ablation")
-            model = load_model(recipe.model, revision=revision, dtype=abl_dtype, device=device, cache_dir=cache_dir)
+            model = load(abl_dtype)
         else:
             model.set_attn_implementation("sdpa")  # the screen's eager attention was for its rounding only
         _status(bar, revision, f"ablation of {len(heads)} head(s)")
