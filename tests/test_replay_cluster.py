@@ -126,6 +126,30 @@ def test_the_cache_holds_at_most_two_downloaded_revisions_and_ends_with_none(onl
     assert [r["status"] for r in rows] == ["ok", "ok"] and snapshots(tmp_path / "cache2") == sorted([c["step0"], c["step100"]])
 
 
+def test_workers_sharing_a_cache_never_delete_what_another_still_needs(online, tmp_path):
+    """Two workers on one host, one cache: a blob the other worker's next revision will link (its config,
+    identical across revisions) survives an eviction, and a revision the other worker uses is left to it."""
+    from sinkwatch.replay.fetch import Fetcher
+    from sinkwatch.replay.revisions import Revision
+
+    cache, c = tmp_path / "cache", commits(online)
+    a, b = (Fetcher(REPO, cache_dir=str(cache), config=FAST["fetch"], worker_id=w) for w in ("a", "b"))
+    rev = {n: Revision(n, commit=c[n]) for n in NAMES}
+    a.fetch(rev["step0"])
+    repo = cache / "models--org--tiny"
+    config_blob = (repo / "snapshots" / c["step0"] / "config.json").resolve()
+    weights_blob = (repo / "snapshots" / c["step0"] / "model.safetensors").resolve()
+    b.guard.acquire(REPO, c["step200"], {config_blob.name, "0" * 64}, will_evict=True)  # b is about to download step200
+    assert a.release(rev["step0"]) > 0
+    assert snapshots(cache) == [] and not weights_blob.exists() and config_blob.exists()  # step0 gone, the shared blob kept
+    b.fetch(rev["step200"])
+    assert (repo / "snapshots" / c["step200"] / "config.json").read_text() and len(online.downloads("/config.json")) == 1  # not fetched again
+    a.fetch(rev["step200"])  # a uses step200 too (the ablation revision, say): b's eviction leaves it to a
+    assert b.release(rev["step200"]) == 0 and snapshots(cache) == [c["step200"]]
+    assert a.release(rev["step200"]) > 0 and snapshots(cache) == []
+    a.close(), b.close()
+
+
 def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is_recorded_failed(online, tmp_path):
     """Issue 19: a 503 on a weights file failed the revision at once, with no retry."""
     c = commits(online)
