@@ -107,15 +107,6 @@ class Claims:
             best = ClaimState(gen, p, failed, mtime, _read_owner(p))
         return best
 
-    def held_by_others(self, item: str) -> dict | None:
-        """Owner of a live claim on ``item`` by another worker (None: free, stale, failed or ours)."""
-        st = self.state(item)
-        if st is None or st.failed or item in self._held:
-            return None
-        if self.now() - st.mtime > self.config.stale_after_s:
-            return None
-        return st.owner
-
     def failed_this_job(self, item: str) -> bool:
         """``item`` failed after this worker started (in this job): not retried until the next one."""
         st = self.state(item)
