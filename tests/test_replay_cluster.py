@@ -157,9 +157,13 @@ def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is
     c = commits(online)
     online.fail(f"{c['step100']}/model.safetensors", times=2, status=503, method="GET")
     online.fail(f"{c['step200']}/model.safetensors", times=10_000, status=503, method="GET")
-    with pytest.warns(RuntimeWarning, match="step200 failed"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         rows = run(tmp_path / "store", tmp_path / "cache")
     assert [(r["revision"], r["status"]) for r in rows] == [("step0", "ok"), ("step100", "ok"), ("step200", "failed"), ("step300", "ok")]
+    said = [str(w.message) for w in said]
+    assert sum("download org/tiny@step100: HfHubHTTPError" in m and "503" in m for m in said) == 2  # each retry says so
+    assert any("org/tiny@step200 failed" in m for m in said)
     assert "503" in rows[2]["error"] and "after 3 attempts" in rows[2]["error"]
     assert len(online.downloads(f"{c['step100']}/model.safetensors")) == 1  # the third try got it
     assert [s for m, p, s in online.log if m == "GET" and p.endswith(f"{c['step200']}/model.safetensors")] == [503, 503, 503]
@@ -473,7 +477,7 @@ def test_an_out_of_memory_probe_is_retried_at_half_batch_tokens(online, tmp_path
         np.asarray(retried["selectivity"]["induction"], dtype=float), np.asarray(plain["selectivity"]["induction"], dtype=float), rtol=1e-5
     )
     limit["tokens"] = 128  # half is not enough either: the revision fails, the job goes on
-    with pytest.warns(RuntimeWarning, match="step0 failed"):
+    with pytest.warns(RuntimeWarning, match="step0 failed"), pytest.warns(RuntimeWarning, match="retrying at 256"):
         failed = run(tmp_path / "oom2", tmp_path / "cache", revisions=["step0"], batch_tokens=512)[0]
     assert failed["status"] == "failed" and "OutOfMemoryError" in failed["error"]
 
