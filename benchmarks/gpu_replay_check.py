@@ -121,7 +121,10 @@ def main() -> int:
             # 3. split over GPUs
             if torch.cuda.device_count() >= 2:
                 single, _ = run("single", revisions=names[:1], device="cuda:0")
-                budget = int(fp32 * 0.7) + 2 * 2**30  # under one model's weights + activations, over half of it
+                from sinkwatch.replay.plan import ModelShape
+
+                shape = ModelShape.from_config(cfg)  # the placement's own estimate: one GPU too small, two enough
+                budget = shape.activations("float32", 16384, 256) + int(0.7 * shape.weights["float32"])
                 split, _ = run("split", revisions=names[:1], device="cuda", max_memory=budget)
                 s = split[0]
                 check("split over GPUs", s["status"] == "ok" and len(s.get("device_map", [])) >= 2, json.dumps(s.get("device_map")))
