@@ -40,7 +40,7 @@ class ClaimConfig:
 
     heartbeat_s: float = 30.0  # a held claim is touched this often
     stale_after_s: float = 600.0  # a claim silent this long is taken over
-    poll_s: float = 15.0  # a worker whose remaining revisions are all held by others looks again this often
+    poll_s: float = 15.0  # a worker whose remaining revisions are all held by others looks again at most this far apart
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_s", "stale_after_s", "poll_s"):

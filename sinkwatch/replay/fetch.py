@@ -265,9 +265,10 @@ class Fetcher:
             return 0
         return self.guard.release(self.model, commit, evict=not self.config.keep_cache)
 
-    def close(self) -> None:
-        """Wait for a download in flight, then release (evict) whatever this fetcher still holds."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Release (evict) whatever this fetcher still holds, after the download in flight (``wait``) —
+        an interrupted replay does not wait for it."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         self._pending.clear()
         for name in list(self._held):
             self.release(Revision(name))

@@ -354,6 +354,7 @@ class _Loop:
     # ---- the loop ----
     def run(self) -> list[dict]:
         rows: list[dict] = []
+        pause = 0.25  # waiting for others' claims: looks again after 0.25 s, 0.5 s, ... up to poll_s
         try:
             nxt: _Job | None = None
             while True:
@@ -361,11 +362,12 @@ class _Loop:
                     got = self._claim_next(exclude=())
                     if got is _WAIT:
                         _status(self.bar, "-", "waiting for revisions other workers hold")
-                        time.sleep(self.claims.config.poll_s)
+                        time.sleep(pause)
+                        pause = min(2 * pause, self.claims.config.poll_s)
                         continue
                     if got is None:
                         break
-                    nxt = self._start(got)
+                    nxt, pause = self._start(got), 0.25
                 job, nxt = nxt, None
                 path = self._await(job)
                 got = self._claim_next(exclude=(job.rev.name,))  # the next one downloads while this one is probed
