@@ -1,6 +1,7 @@
-"""Time and memory of replaying one revision with the paper's probe (2000 x 256, induction), on CPU.
+"""Time and memory of replaying one revision with the paper's probe (2000 x 256, induction), on CPU,
+and what prefetching the next revision saves when the network is slow.
 
-Two measurements, each in its own process, on random GPT-NeoX models (weights do not change cost):
+Three measurements, each in its own process, on random GPT-NeoX models (weights do not change cost):
 
   time    a Pythia-160m-shaped model (12 x 768) with ``--n-time`` sequences of the paper's probe:
           seconds per sequence, extrapolated to 2000 sequences and, by forward FLOPs per token,
@@ -9,14 +10,21 @@ Two measurements, each in its own process, on random GPT-NeoX models (weights do
           with ``--n-memory`` sequences at the default batch_tokens=16384 (64 sequences per forward,
           the largest activation footprint a replay ever has): peak RSS of the whole process,
           model included, plus the arrays that grow with n, extrapolated to n=2000.
+  prefetch  ``--revisions`` revisions of a small GPT-NeoX served by the stand-in hub on 127.0.0.1
+          (tests/local_hub.py, the real huggingface_hub client) at a throttled bandwidth set so one
+          revision's download takes about as long as its probe; the same replay timed twice, side by
+          side: without prefetch (download, then probe, revision after revision) and with it (the
+          next revision downloads while the current one is probed). Ideal ratio with download =
+          probe: (1 + N) / 2N.
 
-Usage: python benchmarks/bench_replay.py [--n-time 64] [--n-memory 64] [--csv out.csv]
+Usage: python benchmarks/bench_replay.py [--n-time 64] [--n-memory 64] [--revisions 4] [--csv out.csv]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -73,16 +81,83 @@ def worker(shape_name: str, n: int, threads: int) -> dict:
     }
 
 
+def prefetch_worker(revisions: int, threads: int) -> dict:
+    """Wall time of one replay from a throttled local hub, without and with prefetch (see the module doc)."""
+    import os
+    import tempfile
+    import warnings
+
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from local_hub import LocalHub, patched_endpoint
+
+    import sinkwatch as sw
+    from sinkwatch.replay import FetchConfig, replay
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(threads)
+    cfg = GPTNeoXConfig(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1024,
+        max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    probes = [sw.InductionProbe(n=32, seq_len=256, vocab_range=(100, 8000))]
+    with tempfile.TemporaryDirectory() as tmp, LocalHub() as hub:
+        names = [f"step{1000 * i}" for i in range(revisions)]
+        for i, name in enumerate(names):
+            torch.manual_seed(i)
+            GPTNeoXForCausalLM(cfg).save_pretrained(f"{tmp}/{name}")
+            hub.add_revision("bench/neox", name, Path(f"{tmp}/{name}"))
+        size = os.path.getsize(f"{tmp}/{names[0]}/model.safetensors")
+        with patched_endpoint(hub.endpoint):
+
+            def timed(label: str, prefetch: bool) -> float:
+                t0 = time.perf_counter()
+                rows = replay(
+                    "bench/neox", revisions=names, out_dir=f"{tmp}/{label}", probes=probes, cache_dir=f"{tmp}/cache-{label}",
+                    progress=False, fetch=FetchConfig(prefetch=prefetch),
+                )  # fmt: skip
+                assert [r["status"] for r in rows] == ["ok"] * revisions, rows
+                return time.perf_counter() - t0
+
+            timed("warm", True)  # imports, kernels, the first model build: out of the comparison
+            probe = statistics.median(r["revision_seconds"] for r in read_store(f"{tmp}/warm"))
+            bandwidth = size / probe  # one revision's weights download in about one probe's time
+            hub.throttle(bandwidth)
+            without = timed("without", False)
+            with_ = timed("with", True)
+    return {
+        "revisions": revisions,
+        "weights_bytes": size,
+        "probe_s": probe,
+        "bandwidth_b_s": bandwidth,
+        "without_s": without,
+        "with_s": with_,
+    }
+
+
+def read_store(path: str) -> list[dict]:
+    from sinkwatch.replay import record_files
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    return [r for p in record_files(path) for r in read_jsonl(p) if r.get("status") == "ok"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-time", type=int, default=64)
     ap.add_argument("--n-memory", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--revisions", type=int, default=4, help="revisions of the prefetch measurement")
     ap.add_argument("--csv", default="benchmarks/results/bench_replay.csv")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.threads)))
+        if args.worker[0] == "prefetch":
+            print(json.dumps(prefetch_worker(int(args.worker[1]), args.threads)))
+        else:
+            print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.threads)))
         return
 
     def run(shape, n):
@@ -116,6 +191,13 @@ def main() -> None:
         f"loaded {big['rss_loaded_mib'] / 1024:.1f} GiB, peak {big['peak_rss_mib'] / 1024:.1f} GiB"
     )
     print(f"       -> 2000 sequences: peak ~{peak_2000 / 1024:.1f} GiB (limit 24 GiB)")
+    pf = run("prefetch", args.revisions)
+    ideal = (1 + pf["revisions"]) / (2 * pf["revisions"])
+    print(
+        f"prefetch {pf['revisions']} revisions of {pf['weights_bytes'] / 2**20:.1f} MiB from the local hub at "
+        f"{pf['bandwidth_b_s'] / 2**20:.2f} MiB/s (download ~ probe {pf['probe_s']:.1f} s): without {pf['without_s']:.1f} s, "
+        f"with {pf['with_s']:.1f} s -> x{pf['with_s'] / pf['without_s']:.2f} (ideal x{ideal:.2f})"
+    )
     rows = [
         {
             "measure": "time",
@@ -132,6 +214,14 @@ def main() -> None:
             "seconds": big["seconds"],
             "peak_rss_mib": big["peak_rss_mib"],
             "extrapolated": f"{peak_2000:.0f}MiB@2000",
+        },
+        {
+            "measure": "prefetch",
+            "shape": f"neox-4x256, {pf['revisions']} revisions",
+            "n": 32,
+            "seconds": pf["with_s"],
+            "peak_rss_mib": "",
+            "extrapolated": f"without {pf['without_s']:.1f}s, with {pf['with_s']:.1f}s, ratio {pf['with_s'] / pf['without_s']:.2f}",
         },
     ]
     print(f"CSV: {write_csv(rows, args.csv)}")

@@ -40,6 +40,17 @@ else
   echo "FSDP v1 Lightning runs skipped: no GPU" | tee "$OUT/gpu_fsdp1.txt"
 fi
 
+# 1c. replay's big-model paths (issue 19): loaded onto the GPU, float32 freed before the float16 PR pass,
+#     the device cache emptied between revisions, a real out-of-memory retried at half batch_tokens, a model
+#     split over GPUs (2+ GPUs). Replay needs tenacity, filelock and accelerate (pure Python): where the
+#     image lacks them, carry a folder of them and put it on PYTHONPATH; else this stage says so and skips.
+if python3 -c "import tenacity, filelock, accelerate" 2>/dev/null; then
+  timeout 300 python3 benchmarks/gpu_replay_check.py --out "$OUT/gpu_replay_check.json" 2>&1 | tee "$OUT/gpu_replay_check.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "replay GPU check skipped: python3 lacks tenacity/filelock/accelerate (no network here to install them)" | tee "$OUT/gpu_replay_check.txt"
+fi
+
 # 2. the benchmark, only if the kernel is right (it also checks each backend first)
 if [ "$status" -eq 0 ]; then
   timeout 240 python3 benchmarks/bench_attention_stats.py --repeat 10 --csv "$OUT/bench_attention_stats.csv" 2>&1 | tee "$OUT/bench_attention_stats.txt"

@@ -84,7 +84,18 @@ def cmd_probe(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .replay import Recipe, is_recipe, load_recipe, parse_shard, read_ablation, replay
+    from .replay import (
+        ClaimConfig,
+        FetchConfig,
+        Recipe,
+        format_plan,
+        is_recipe,
+        load_recipe,
+        parse_shard,
+        read_ablation,
+        replay,
+        replay_plan,
+    )
     from .replay.protocol import probes_with_options
     from .reporting.wandb_run import wandb_mode_from_env
 
@@ -96,8 +107,8 @@ def cmd_replay(args) -> int:
     probes = probes_with_options(recipe, args.probe, n=args.n, seq_len=args.seq_len, vocab_range=args.vocab_range, text=args.text)
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
     out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
-    rows = replay(
-        recipe,
+    fetch = FetchConfig(retries=args.retries, prefetch=not args.no_prefetch, keep_cache=args.keep_cache)
+    common = dict(
         revisions=revisions,
         log_spaced=args.log_spaced,
         out_dir=out,
@@ -108,14 +119,27 @@ def cmd_replay(args) -> int:
         cache_dir=args.cache_dir,
         tokens_per_step=args.tokens_per_step,
         batch_tokens=args.batch_tokens,  # memory only: the recipe's protocol and ablation stay
+        protocol=args.protocol,
+        ablation_revision=args.ablation_revision,
+        fetch=fetch,
+        max_memory=args.max_memory,
+        skip_duplicates=args.skip_duplicates,
+    )
+    if args.plan:
+        plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops, **common)
+        print(format_plan(plan))
+        return 0
+    t = args.claim_timeout
+    claims = ClaimConfig(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else None
+    rows = replay(
+        recipe,
         wandb=wandb_mode_from_env(args.wandb),
         progress=not args.no_progress,
-        protocol=args.protocol,
         ablate=args.ablate,
-        ablation_revision=args.ablation_revision,
+        claims=claims,
         lightning_module=args.lightning_module,
         live_store=args.live_store,
-        skip_duplicates=args.skip_duplicates,
+        **common,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
@@ -194,7 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
     # replay's probe options lay over the recipe's probes: no CLI default of their own
     add_probe_arguments(r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)")
-    r.add_argument("--shard", default=None, help="K/N: take every N-th revision starting at K (default: RANK/WORLD_SIZE under torchrun)")
+    r.add_argument(
+        "--shard",
+        default=None,
+        help="K/N: a static split, every N-th revision starting at K (not needed for several workers: they claim revisions "
+        "in the store, whatever launched them)",
+    )
     r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
     r.add_argument(
@@ -238,6 +267,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not measure revisions whose weight files are another revision's (flagged from the hub's metadata before any "
         "download); by default they are measured, flagged, and left out of the trajectory",
+    )
+    scale = r.add_argument_group("a full trajectory (docs/replay.md: a full trajectory on a cluster)")
+    scale.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the revisions, their sizes (hub metadata), peak disk, memory per dtype, the split over workers and a time "
+        "estimate; download no weights, measure nothing",
+    )
+    scale.add_argument(
+        "--workers", type=int, default=None, help="with --plan: how many workers will share the store (default: the launcher's)"
+    )
+    scale.add_argument(
+        "--bandwidth", type=float, default=None, help="with --plan: download MB/s per worker for the time estimate (default 100)"
+    )
+    scale.add_argument(
+        "--tflops", type=float, default=None, help="with --plan: probe TFLOP/s for the time estimate (default: cpu 0.2, cuda 50)"
+    )
+    scale.add_argument(
+        "--keep-cache", action="store_true", help="keep each downloaded revision (default: evicted once its record is written)"
+    )
+    scale.add_argument("--no-prefetch", action="store_true", help="do not download the next revision while the current one is probed")
+    scale.add_argument("--retries", type=int, default=5, help="retries of a hub call on 5xx / 429 / dropped connections (default 5)")
+    scale.add_argument(
+        "--max-memory",
+        default=None,
+        help="memory each device may use (24GiB, 500MB; default: what it has free): a revision that cannot fit is refused before download",
+    )
+    scale.add_argument(
+        "--claim-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a silent worker's claim is taken over (default 600; heartbeats every quarter of it, at most 30 s)",
     )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 

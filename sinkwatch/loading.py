@@ -69,20 +69,33 @@ def _chain(exc: BaseException):
 
 
 def load_model(
-    name_or_path: str, *, revision: str | None = None, dtype: str = "float32", device: str | None = None, cache_dir: str | None = None
+    name_or_path: str,
+    *,
+    revision: str | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+    cache_dir: str | None = None,
+    device_map: dict | None = None,
 ):
     """``AutoModelForCausalLM.from_pretrained(name_or_path, revision=...)`` in eval mode, with sdpa attention
     where the model's class can run it and eager attention where it cannot (gpt-oss: learned sinks;
     Gemma 2: soft-capping; transformers' own default choice).
 
-    Raises ``HubUnreachableError`` with what to do when the hub cannot be reached, and
-    ``FileNotFoundError`` when a revision does not exist.
+    ``device_map`` (``{"": "cuda:0"}``, or one module -> device entry per block for a model split
+    over GPUs) loads the weights straight where they go; without it the model is built on the CPU
+    and moved to ``device``. Raises ``HubUnreachableError`` with what to do when the hub cannot be
+    reached, and ``FileNotFoundError`` when a revision does not exist.
     """
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, revision=revision, dtype=parse_dtype(dtype), attn_implementation=None, cache_dir=cache_dir
+            name_or_path,
+            revision=revision,
+            dtype=parse_dtype(dtype),
+            attn_implementation=None,  # transformers' own choice: sdpa where the class can run it, else eager
+            cache_dir=cache_dir,
+            **({"device_map": device_map} if device_map is not None else {}),
         )
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised with advice
         if os.path.isdir(name_or_path):
@@ -103,4 +116,6 @@ def load_model(
         if "revision" in str(exc).lower() or type(exc).__name__ in ("RevisionNotFoundError", "EntryNotFoundError"):
             raise FileNotFoundError(f"{name_or_path} has no revision {revision!r}: {exc}") from exc
         raise
+    if device_map is not None:
+        return model.eval()
     return model.to(device or default_device()).eval()

@@ -13,7 +13,9 @@ What the real hub does and the tests need is served the same way:
 - faults: ``fail(substring, times, status)`` answers the next ``times`` requests whose path holds
   ``substring`` with ``status`` (503...), or drops the connection (``status=None``);
 - ``throttle(bytes_per_s)`` slows every download, for the prefetch benchmark;
-- ``log`` lists every request as (method, path, status), so a test can count downloads.
+- ``log`` lists every request as (method, path, status), so a test can count downloads;
+  ``on_request(method, path)``, when set, runs before each request is answered (a test can look at
+  the client's cache at the moment a download starts).
 
 Use it in a subprocess (``env(endpoint)``: ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE=0``, read by
 huggingface_hub at import) or in this process (``patched_endpoint``).
@@ -30,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -93,6 +96,7 @@ class LocalHub:
         self.log: list[tuple[str, str, int | None]] = []
         self._faults: list[_Fault] = []
         self._bytes_per_s: float | None = None
+        self.on_request = None
         self._lock = threading.Lock()
         self._pushes = 0
         self._server: ThreadingHTTPServer | None = None
@@ -124,6 +128,11 @@ class LocalHub:
         with self._lock:
             self._faults.append(_Fault(substring, times, status, method))
 
+    def clear_faults(self) -> None:
+        """Forget every fault still pending."""
+        with self._lock:
+            self._faults.clear()
+
     def throttle(self, bytes_per_s: float | None) -> None:
         """Serve downloads at about ``bytes_per_s`` (None: as fast as the loopback goes)."""
         self._bytes_per_s = bytes_per_s
@@ -152,7 +161,7 @@ class LocalHub:
         class Handler(_Handler):
             server_hub = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="local-hub", daemon=True)
         self._thread.start()
@@ -197,6 +206,13 @@ def _read_files(files: Path | dict[str, bytes]) -> dict[str, _File]:
     return {path: _File(data, hashlib.sha256(data).hexdigest(), git_blob_id(data)) for path, data in items}
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-answer (a killed worker) is not the hub's error: say nothing."""
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 _API = re.compile(r"^/api/models/([^/]+/[^/]+)(?:/(refs|revision|tree|paths-info)(?:/(.*))?)?$")
 _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 
@@ -222,6 +238,8 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server_hub
         split = urlsplit(self.path)
         path = split.path
+        if hub.on_request is not None:
+            hub.on_request(method, unquote(path))
         fault = hub._take_fault(method, unquote(path))
         self._status: int | None = None
         try:

@@ -27,6 +27,7 @@ from transformers import Trainer, TrainingArguments
 from sinkwatch.cli import main
 from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.lightning import SinkWatchCallback
+from sinkwatch.replay import record_files
 from sinkwatch.reporting.jsonl import read_jsonl
 
 EVERY, STEPS, BATCH, LENGTH = 5, 10, 8, 64  # loader(): 8 rows of 64 tokens per step
@@ -60,7 +61,7 @@ class SaveAtProbeSteps(pl.Callback):
 def _replay(target: Path, out: Path, *extra: str) -> list[dict]:
     argv = ["replay", str(target), "--out", str(out), "--wandb", "disabled", "--no-progress", *extra]
     assert main(argv) == 0
-    return read_jsonl(out / "records.jsonl")
+    return [r for p in record_files(out) for r in read_jsonl(p)]  # each replay worker writes its own records file
 
 
 def _assert_equal(live: list[dict], replayed: list[dict], steps: list[int], close=None) -> None:

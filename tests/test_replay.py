@@ -20,6 +20,7 @@ from sinkwatch.replay import (
     merged_records,
     packaged_recipes,
     read_ablation,
+    record_files,
     replay,
     revision_step,
     revision_tokens,
@@ -30,6 +31,11 @@ from sinkwatch.report import _fmt, build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
 PROBES = [InductionProbe(n=24, seq_len=128), RepeatedRandomProbe(n=8, seq_len=64)]
+
+
+def store_rows(store) -> list[dict]:
+    """Every row of a replay store (each worker appends to its own records.WORKER.jsonl)."""
+    return [r for p in record_files(store) for r in read_jsonl(p)]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +63,14 @@ def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, t
     rows = run(cache, tmp_path)
     assert [r["revision"] for r in rows] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
     assert all(r["status"] == "ok" for r in rows)
-    records = read_jsonl(tmp_path / "records.jsonl")
-    assert len(records) == 6
+    records = store_rows(tmp_path)
+    assert len(records) == 6 and len(record_files(tmp_path)) == 1  # one worker, one file
     assert [r["tokens"] for r in records] == [revision_step(r["revision"]) * TOKENS_PER_STEP for r in records]
     assert records[-1]["induction_state"] == "formed" and records[0]["induction_state"] == "absent"
     assert len({r["probe_hash"] for r in records}) == 1
-    before = (tmp_path / "records.jsonl").read_text()
+    before = store_rows(tmp_path)
     assert run(cache, tmp_path) == []  # a rerun skips every revision already done
-    assert (tmp_path / "records.jsonl").read_text() == before
+    assert store_rows(tmp_path) == before
 
 
 def test_records_equal_live_probes_of_the_same_weights(cache, trajectory_run, tmp_path):
@@ -95,11 +101,11 @@ def test_an_exception_mid_revision_leaves_no_partial_record(cache, tmp_path, mon
     with pytest.warns(RuntimeWarning, match="injected failure"):
         rows = run(cache, tmp_path)
     assert [r["status"] for r in rows] == ["ok", "ok", "failed", "ok", "ok", "ok"]
-    ok = [r for r in read_jsonl(tmp_path / "records.jsonl") if r.get("status") == "ok"]
+    ok = [r for r in store_rows(tmp_path) if r.get("status") == "ok"]
     assert "step300" not in {r["revision"] for r in ok}  # nothing half-written for the failed revision
     monkeypatch.setattr(sinkwatch.monitor.Monitor, "_run", original)
     # a crash while appending leaves a torn last line: it is ignored and that revision is redone
-    with open(tmp_path / "records.jsonl", "a") as f:
+    with open(record_files(tmp_path)[0], "a") as f:
         f.write('{"model": "x", "revision": "step13')
     retried = run(cache, tmp_path)
     assert [r["revision"] for r in retried] == ["step300"] and retried[0]["status"] == "ok"
@@ -120,7 +126,6 @@ def test_shards_split_the_revisions_and_the_report_merges_them(cache, tmp_path):
     b = run(cache, tmp_path, shard=(1, 2))
     assert [r["revision"] for r in a] == ["step0", "step300", "step900"]
     assert [r["revision"] for r in b] == ["step100", "step600", "step1300"]
-    assert (tmp_path / "records.shard-0-of-2.jsonl").exists() and (tmp_path / "records.shard-1-of-2.jsonl").exists()
     merged = merged_records(tmp_path)
     assert [r["revision"] for r in merged] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
     states = [r["induction_state"] for r in merged]  # re-derived over the merged sequence
@@ -160,7 +165,7 @@ def test_cli_replay_and_report(cache, tmp_path):
         ]
     )
     assert rc == 0
-    recs = read_jsonl(out / "records.jsonl")
+    recs = store_rows(out)
     assert [r["revision"] for r in recs] == ["step0", "step600", "step1300"] and recs[1]["tokens"] == 600 * TOKENS_PER_STEP
     assert main(["report", str(out), str(out), "--out", str(tmp_path / "rep")]) == 0  # several stores overlay
     assert (tmp_path / "rep" / "report.md").exists()
@@ -216,7 +221,7 @@ def test_a_rerun_with_another_protocol_or_probe_set_is_refused_naming_the_differ
         run_with(cache, tmp_path, quick, revisions=["step0"], protocol="paper")
     with pytest.raises(StoreMismatchError, match="dtype: float32 -> bfloat16"):
         run_with(cache, tmp_path, quick, revisions=["step0"], dtype="bfloat16")
-    assert len(read_jsonl(tmp_path / "records.jsonl")) == 2  # nothing written by the refused runs
+    assert len(store_rows(tmp_path)) == 2  # nothing written by the refused runs
     repo, cache_dir = cache
     rc = main(
         [
@@ -340,7 +345,7 @@ def test_a_paper_replay_runs_the_group_ablation_with_the_fourth_control_draw_and
     assert a["control_heads"] == _names(fourth)
     assert a["ablated"]["top1"] < a["baseline"]["top1"]  # the induction circuit carries the copy
     # the per-revision records are untouched: no ablation row, every record keeps its replay key
-    records = read_jsonl(tmp_path / "records.jsonl")
+    records = store_rows(tmp_path)
     assert len(records) == 2 and all("replay_key" in r and r.get("kind") != "ablation" for r in records)
     # resumable: a rerun neither re-probes a revision nor redoes the ablation
     before = (tmp_path / "ablation.json").read_text()

@@ -25,9 +25,14 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
-from sinkwatch.replay import merged_records, replay
+from sinkwatch.replay import merged_records, record_files, replay
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
+
+
+def store_rows(store) -> list[dict]:
+    """Every row of a replay store, in file order (each worker writes its own records file)."""
+    return [r for p in record_files(store) for r in read_jsonl(p)]
 
 PROBES = [InductionProbe(n=8, seq_len=64)]
 TPS = 1000  # tokens per step of these made-up runs
@@ -201,16 +206,16 @@ def test_a_folder_of_checkpoints_is_a_run_and_a_rewritten_checkpoint_is_measured
     argv = ["replay", str(run_dir), "--out", str(tmp_path / "store"), "--n", "8", "--seq-len", "64"]
     argv += ["--tokens-per-step", str(TPS), "--wandb", "disabled", "--no-progress"]
     assert main(argv) == 0
-    recs = read_jsonl(tmp_path / "store" / "records.jsonl")
+    recs = store_rows(tmp_path / "store")
     assert [(r["revision"], r["step"], r["tokens"]) for r in recs] == [
         ("checkpoint-200", 200, 200 * TPS),
         ("checkpoint-1000", 1000, 1000 * TPS),
     ]
     assert recs[0]["commit"] == recs[0]["weights_fingerprint"] == fingerprint_of(folder_bytes(run_dir / "checkpoint-200"))
-    assert main(argv) == 0 and len(read_jsonl(tmp_path / "store" / "records.jsonl")) == 2  # done
+    assert main(argv) == 0 and len(store_rows(tmp_path / "store")) == 2  # done
     build("llama", seed=2).save_pretrained(run_dir / "checkpoint-1000")  # rewritten in place
     assert main(argv) == 0
-    recs = read_jsonl(tmp_path / "store" / "records.jsonl")
+    recs = store_rows(tmp_path / "store")
     assert [r["revision"] for r in recs] == ["checkpoint-200", "checkpoint-1000", "checkpoint-1000"]
 
 
@@ -243,7 +248,7 @@ def test_probe_options_lay_over_the_recipe_and_label_the_records_custom(hub, rec
     """`--probe induction,repeated` rebuilt the probes from CLI defaults (the induction probe dropped
     from the recipe's n to 500) while records said protocol: paper."""
     assert cli(recipe, tmp_path / "a", "--probe", "induction,repeated", "--seq-len", "64", "--no-ablate") == 0
-    rec = read_jsonl(tmp_path / "a" / "records.jsonl")[0]
+    rec = store_rows(tmp_path / "a")[0]
     assert rec["replay_key"]["probes"]["induction"]["n"] == 24  # the recipe's induction probe, kept
     assert rec["protocol"] == "custom" and rec["protocol_base"] == "paper"
     assert any(c.startswith("repeated probe: absent") for c in rec["protocol_changes"]), rec["protocol_changes"]
@@ -260,7 +265,7 @@ def test_probe_options_lay_over_the_recipe_and_label_the_records_custom(hub, rec
 def test_batch_tokens_changes_memory_only(hub, recipe, tmp_path):
     """`--batch-tokens N` switched the recipe to the sinkwatch protocol and skipped its ablation."""
     assert cli(recipe, tmp_path, "--batch-tokens", "4096") == 0
-    rec = read_jsonl(tmp_path / "records.jsonl")[0]
+    rec = store_rows(tmp_path)[0]
     assert rec["protocol"] == "paper" and rec["replay_key"]["protocol"] == "paper" and rec["pr_dtype"] == "float16"
     ablation = json.loads((tmp_path / "ablation.json").read_text())
     assert ablation["status"] == "ok" and ablation["revision"] == "step100" and ablation["protocol"] == "paper"

@@ -3,19 +3,24 @@
     sinkwatch replay pythia-1b                      # a packaged recipe (or recipes/pythia-1b.yaml)
     sinkwatch replay EleutherAI/pythia-410m --log-spaced 8 --out runs/pythia-410m
 
-Each revision is loaded with ``from_pretrained(model, revision=...)`` — the real hub, or a local
-Hugging Face cache when ``HF_HUB_OFFLINE=1`` — probed with the same ``Monitor`` as a live run, and
-written as one record to ``DIR/records.jsonl`` (``records.shard-K-of-N.jsonl`` when sharded). A
-record is appended only once complete; a rerun skips revisions already done; a revision that fails
-is recorded with its reason and the others go on.
+Each revision is downloaded by the commit its branch resolved to (or read from a local Hugging Face
+cache when ``HF_HUB_OFFLINE=1``), probed with the same ``Monitor`` as a live run, and written as one
+record to the worker's own ``DIR/records.WORKER.jsonl``. A record is appended only once complete;
+a revision done anywhere in the store is skipped; a revision that fails is recorded with its reason
+and the others go on. Any number of workers share one store (``claims``).
 
 One module per idea:
 
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
 - ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache);
-- ``store``: the replay key, the done key, the store's files and merged reading;
+- ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
+- ``store``: the replay key, the done key, the workers' files and merged reading;
+- ``workers``: who this worker is, whatever launched it;
+- ``claims``: which worker measures which revision (exclusive files, heartbeat, takeover);
+- ``fetch``: download by commit, prefetch, retries, eviction;
+- ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);
 - ``ablation``: the paper's group ablation at one revision (``DIR/ablation.json``);
-- ``run``: the loop (``replay``).
+- ``run``: the loop (``replay``, ``replay_revision``, ``replay_plan``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from .ablation import (
     read_ablation,
     run_ablation,
 )
+from .claims import ClaimConfig
+from .fetch import FetchConfig
+from .plan import Plan, format_plan
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
 from .revisions import (
     Revision,
@@ -45,7 +53,7 @@ from .revisions import (
     select_log_spaced,
     training_order,
 )
-from .run import replay
+from .run import replay, replay_plan, replay_revision
 from .store import (
     ReplayStore,
     StoreMismatchError,
@@ -55,23 +63,31 @@ from .store import (
     key_of,
     merged_records,
     parse_shard,
+    record_files,
     replay_key,
     shard_from_env,
 )
+from .workers import Worker, detect_worker
 
 __all__ = [
     "ABLATION_FILE",
     "PAPER_ABLATION_DTYPE",
     "PAPER_CONTROL_RULE",
+    "ClaimConfig",
+    "FetchConfig",
+    "Plan",
     "Recipe",
     "ReplayStore",
     "Revision",
     "StoreMismatchError",
+    "Worker",
     "ablation_key",
     "check_ablation",
     "check_hub",
+    "detect_worker",
     "done_key",
     "failed_revisions",
+    "format_plan",
     "is_recipe",
     "key_difference",
     "key_of",
@@ -85,8 +101,11 @@ __all__ = [
     "parse_revisions",
     "parse_shard",
     "read_ablation",
+    "record_files",
     "replay",
     "replay_key",
+    "replay_plan",
+    "replay_revision",
     "resolve_revisions",
     "revision_step",
     "revision_tokens",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 
-def _progress(items, enabled: bool, model: str):
+def _counter(total: int, enabled: bool, model: str):
+    """A bar over this worker's revisions, advanced to how many are done in the whole store (None: off)."""
     if not enabled:
-        return items
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=f"replay {model}", unit="rev")
+    return tqdm(total=total, desc=f"replay {model}", unit="rev")
 
 
 def _status(bar, rev: str, phase: str) -> None:

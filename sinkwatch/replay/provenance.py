@@ -74,7 +74,10 @@ def weights_of_files(root: str | os.PathLike, paths: Iterable[str | os.PathLike]
 
 def weights_from_hub(model: str, commit: str) -> Weights:
     """From the hub's file metadata at ``commit``: nothing is downloaded."""
-    files = {f.path: (f.sha256 or f"git:{f.blob_id}") for f in remote_files(model, commit) if f.is_weights}
+    from .retries import RetryPolicy, call_with_retries
+
+    listed = call_with_retries(lambda: remote_files(model, commit), RetryPolicy(), f"file metadata of {model}@{commit[:12]}")
+    files = {f.path: (f.sha256 or f"git:{f.blob_id}") for f in listed if f.is_weights}
     if not files:
         raise FileNotFoundError(f"{model}@{commit} lists no weight files")
     return Weights(files)

@@ -256,8 +256,10 @@ def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
     import huggingface_hub
 
     if not hub_offline():
-        try:
-            refs = huggingface_hub.list_repo_refs(model)
+        from .retries import RetryPolicy, call_with_retries
+
+        try:  # a 5xx / dropped connection is retried; a hub that stays unreachable gets the advice
+            refs = call_with_retries(lambda: huggingface_hub.list_repo_refs(model), RetryPolicy(), f"list the refs of {model}")
         except Exception as exc:  # noqa: BLE001 - classified: network problems get advice
             if _is_network_error(exc):
                 raise HubUnreachableError(_offline_advice(model)) from exc

@@ -1,4 +1,20 @@
-"""The replay loop: each revision loaded, probed with the live ``Monitor``, written as one record."""
+"""The replay loop (SPEC §8): revisions claimed in the store, fetched one ahead, probed, written, evicted.
+
+One worker, whatever launched it, runs ``replay``:
+
+1. the revisions to replay, in training order (``--shard K/N`` keeps every N-th: a static split);
+2. ``claim``: the first revision not done anywhere in the store, not failed in this job and not held
+   live by another worker is claimed (``claims``); with none left but some held by others, the worker
+   waits for them (a stale claim is taken over), then runs the ablation if it is due;
+3. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
+4. ``fetch``: downloaded by commit on one background thread; the next revision is claimed and starts
+   downloading as soon as the current one is on disk, so probing and downloading overlap;
+5. ``measure``: loaded straight onto its device(s), probed with the live ``Monitor`` (an out-of-memory
+   probe is retried once at half ``batch_tokens``), the paper protocol's float16 PR pass after the
+   float32 model is freed, stages derived over the whole store in step order;
+6. ``write``: one complete record appended to this worker's file, the claim released, the revision
+   evicted from the cache and the device cache emptied.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +24,95 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from ..loading import HubUnreachableError
+from ..loading import HubUnreachableError, default_device, load_model
 from ..monitor import PAPER_PR_SEQUENCES, Monitor, MonitorConfig
 from ..probes import ProbeSet
 from ..stages import StageTracker
-from .ablation import ablation_key, check_ablation, run_ablation
-from .progress import _progress, _status
-from .protocol import resolve_protocol
-from .provenance import device_of, provenance, warn_duplicates
+from .ablation import ablation_key, check_ablation, read_ablation, run_ablation
+from .claims import ClaimConfig, Claims
+from .fetch import FetchConfig, Fetcher
+from .plan import ModelShape, Placement, Plan, device_budgets, make_plan, place, revision_config
+from .progress import _counter, _status
+from .protocol import ProtocolLabel, resolve_protocol
+from .provenance import DuplicateGroup, device_of, provenance, warn_duplicates
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .source import RevisionSource, revision_source
-from .store import ReplayStore, done_key, key_of, record_done_key, replay_key, shard_from_env
+from .store import ReplayStore, done_key, replay_key, store_group
+from .workers import Worker, detect_worker
+
+_WAIT = object()  # every remaining revision is held by another live worker
 
 
-# ---- replay ------------------------------------------------------------------------------------------------
+# ---- what to replay ------------------------------------------------------------------------------------------
+@dataclass
+class _Setup:
+    recipe: Recipe
+    revisions: list[Revision]  # every revision of the replay, in training order
+    mine: list[Revision]  # this worker's: all of them, or its static shard
+    key: dict
+    cfg: MonitorConfig
+    protocol: str
+    probes: list
+    dtype: str
+    ablation: str | None
+    source: RevisionSource  # where the revisions come from (a hub model or a local folder) and how a local one loads
+    label: ProtocolLabel  # what the records say they measured (paper | sinkwatch | custom, and what changed)
+    flags: dict[str, DuplicateGroup]  # revisions whose weights are another's (provenance.find_duplicates)
+
+
+def _setup(
+    model,
+    *,
+    revisions,
+    log_spaced,
+    probes,
+    dtype,
+    tokens_per_step,
+    batch_tokens,
+    monitor_config,
+    protocol,
+    cache_dir,
+    shard,
+    lightning_module=None,
+    live_store=None,
+    skip_duplicates=False,
+) -> _Setup:
+    recipe = model if isinstance(model, Recipe) else Recipe(model=model)
+    names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
+    names = [r.name if isinstance(r, Revision) else str(r) for r in names] if names is not None else None
+    tps = tokens_per_step or recipe.tokens_per_step
+    label = resolve_protocol(recipe, probes=probes, dtype=dtype, protocol=protocol or (monitor_config.protocol if monitor_config else None))
+    # each revision with the commit its name resolves to now (weights are fetched by it; its done key names
+    # those weights) and its weights' fingerprint from metadata; an unreachable hub stops here, with the advice
+    source = revision_source(
+        recipe, names, log_spaced=log_spaced or recipe.log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
+        lightning_module=lightning_module, live_store=live_store,
+    )  # fmt: skip
+    flags = source.duplicates()
+    warn_duplicates(recipe.model, flags)
+    ordered = [r for r in source.revisions if not (skip_duplicates and r.name in flags)]  # --skip-duplicates: never downloaded
+    if not ordered:
+        raise ValueError(f"no revisions to replay for {recipe.model}")
+    k, n = shard or (0, 1)
+    cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
+    cfg = dataclasses.replace(cfg, protocol=label.computation)
+    probe_list = list(probes) if probes is not None else (source.live_probes() or recipe.probe_recipes())
+    dtype = dtype or recipe.dtype
+    key = replay_key(recipe.model, dtype, label.label, probe_list)
+    return _Setup(recipe, ordered, ordered[k::n], key, cfg, label.computation, probe_list, dtype, None, source, label, flags)
+
+
+# ---- the public entry points ------------------------------------------------------------------------------------
 def replay(
     model: str | Recipe,
     *,
-    revisions: Sequence[str] | None = None,
+    revisions: Sequence[str | Revision] | None = None,
     log_spaced: int | None = None,
     out_dir: str | os.PathLike = "runs/replay",
     probes: Sequence | None = None,
@@ -45,18 +128,23 @@ def replay(
     protocol: str | None = None,
     ablate: bool | None = None,
     ablation_revision: str | None = None,
+    fetch: FetchConfig | None = None,
+    claims: ClaimConfig | None = None,
+    max_memory: int | str | None = None,
     lightning_module: str | None = None,
     live_store: str | None = None,
     skip_duplicates: bool = False,
 ) -> list[dict]:
-    """Replay revisions of a hub model (or a ``Recipe``); returns this shard's rows (ok and failed).
+    """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows
+    this worker wrote (ok and failed). Run it in as many processes as you like, on any hosts sharing
+    ``out_dir``: each revision is measured once (see the module doc).
 
-    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``); ``model``
+    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``), and are
+    replayed in training order. ``shard=(K, N)`` keeps every N-th from K (a static split). ``model``
     may also be a local folder of checkpoints (``sinkwatch.replay.local``: HF Trainer, save_pretrained,
-    OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``). They are replayed in
-    training order; shard K of N takes every N-th one (from RANK/WORLD_SIZE under torchrun or
-    accelerate launch, or given). Each record carries the commit its branch resolved to (the weights
-    are loaded by it), a fingerprint of its weights, the versions and the device; revisions whose
+    OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``; ``live_store``: the
+    live run's store, whose ``probes.json`` gives its probe sets). Each record carries the commit its
+    branch resolved to, a fingerprint of its weights, the versions and the device; revisions whose
     weights are not their own are flagged (``duplicate_of``) and, with ``skip_duplicates``, not measured.
 
     ``protocol``: "paper" reproduces Xu 2026's precision choices (SPEC §8: float16 models probed
@@ -64,78 +152,513 @@ def replay(
     keeps float32 statistics and PR over every sequence; default: the recipe's. A store that holds
     records made with another protocol, dtype, model or probe set is refused (``StoreMismatchError``).
 
-    ``ablate``: after the revisions, run the group ablation of the >= 50x induction circuit at
-    ``ablation_revision`` (default: the recipe's; without one, the last revision) and write it to
-    ``DIR/ablation.json`` (``run_ablation``). Default: on under protocol "paper" when the recipe names
-    an ablation revision (the packaged recipes do), else off. Only shard 0 runs it.
+    ``ablate``: once the revisions are done, the group ablation of the >= 50x induction circuit at
+    ``ablation_revision`` (default: the recipe's; without one, the last revision) goes to
+    ``DIR/ablation.json`` (``run_ablation``), run once by whichever worker claims it. Default: on
+    under protocol "paper" when the recipe names an ablation revision (the packaged recipes do).
+
+    ``fetch``: retries, prefetch and eviction (``FetchConfig``: ``keep_cache=True`` keeps what is
+    downloaded); ``claims``: heartbeat and staleness of claims (``ClaimConfig``); ``max_memory``
+    (``"24GiB"``): the memory each device may use, instead of what it has free.
     """
-    recipe = model if isinstance(model, Recipe) else Recipe(model=model)
-    names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
-    tps = tokens_per_step or recipe.tokens_per_step
-    # ---- what to measure, with commits and weights (replay-provenance: revisions, local, provenance) ----
-    label = resolve_protocol(recipe, probes=probes, dtype=dtype, protocol=protocol or (monitor_config.protocol if monitor_config else None))
-    source = revision_source(
-        recipe, names, log_spaced=log_spaced or recipe.log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
-        lightning_module=lightning_module, live_store=live_store,
-    )  # fmt: skip
-    flags = source.duplicates()
-    warn_duplicates(recipe.model, flags)
-    ordered = [r for r in source.revisions if not (skip_duplicates and r.name in flags)]  # --skip-duplicates: never downloaded
-    if not ordered:
-        raise ValueError(f"no revisions to replay for {recipe.model}")
-    k, n = shard or shard_from_env()
-    mine = ordered[k::n]
-    store = ReplayStore(out_dir, (k, n))
-    cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
-    protocol = label.computation
-    cfg = dataclasses.replace(cfg, protocol=protocol)
-    probe_list = list(probes) if probes is not None else (source.live_probes() or recipe.probe_recipes())
-    dtype = dtype or recipe.dtype
-    key = replay_key(recipe.model, dtype, label.label, probe_list)
-    store.check(key)
-    ablation_rev = ablation_revision or recipe.ablation_revision
+    fetch = fetch or FetchConfig()
+    s = _setup(
+        model,
+        revisions=revisions,
+        log_spaced=log_spaced,
+        probes=probes,
+        dtype=dtype,
+        tokens_per_step=tokens_per_step,
+        batch_tokens=batch_tokens,
+        monitor_config=monitor_config,
+        protocol=protocol,
+        cache_dir=cache_dir,
+        shard=shard,
+        lightning_module=lightning_module,
+        live_store=live_store,
+        skip_duplicates=skip_duplicates,
+    )
+    s.ablation = ablation_revision or s.recipe.ablation_revision
     if ablate is None:
-        ablate = protocol == "paper" and ablation_rev is not None
-    ablate = bool(ablate) and k == 0
+        ablate = s.protocol == "paper" and s.ablation is not None
     if ablate:
-        ablation_rev = ablation_rev or ordered[-1].name
-        check_ablation(out_dir, ablation_key(key, ablation_rev))  # refused before anything is probed
-    # done = a successful record with this replay key, revision name and commit (a moved branch is new)
-    done = {record_done_key(r) for r in store.rows() if r.get("status", "ok") == "ok" and "n_layers" in r and key_of(r) == key}
-    pr_monitor = None
-    if protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in probe_list):
-        # the paper's PR ran separately (its per-head scripts): float16, default attention, first 500 sequences
-        pr_probes = [_first(p, PAPER_PR_SEQUENCES) for p in probe_list if p.kind == "induction"]
-        pr_monitor = Monitor(pr_probes, config=cfg)
-        cfg = dataclasses.replace(cfg, participation_ratio=False)
-    monitor = Monitor(probe_list, config=cfg)
-    reporter = _replay_wandb(wandb, out_dir, recipe)
-    rows = []
-    bar = _progress(mine, progress, recipe.model)
-    for rev in bar:
-        if done_key(key, rev.name, rev.commit) in done:
-            _status(bar, rev.name, "done already")
-            continue
-        # what the record says it measured (replay-provenance): commit, fingerprint, duplicates, versions, protocol label
-        about = {**provenance(rev, source.weights.get(rev.name), flags.get(rev.name)), **label.record_fields()}
-        row = _replay_one(monitor, store, source, rev, dtype, device, bar, key=key, pr_monitor=pr_monitor, about=about)
-        rows.append(row)
-        if reporter is not None and row.get("status", "ok") == "ok":
+        s.ablation = s.ablation or s.revisions[-1].name
+        check_ablation(out_dir, ablation_key(s.key, s.ablation))  # refused before anything is probed
+    else:
+        s.ablation = None
+    loop = _Loop(
+        s,
+        out_dir=out_dir,
+        device=device,
+        cache_dir=cache_dir,
+        wandb=wandb,
+        progress=progress,
+        fetch=fetch,
+        claims=claims,
+        max_memory=max_memory,
+    )
+    return loop.run()
+
+
+def replay_revision(model: str | Recipe, revision: str | Revision, *, out_dir: str | os.PathLike, **options) -> dict:
+    """Replay one revision into the store ``out_dir`` and return its record: the entry point for
+    mapping the work over revisions yourself (Ray tasks, submitit jobs, a process pool). Claims,
+    done-anywhere, retries and eviction are those of ``replay`` (every option of it is accepted);
+    the ablation is not run here — a final ``replay(model, out_dir=..., revisions=...)`` over all
+    revisions finds them done and runs it. A revision measured already returns its stored record; one
+    that failed returns the failed row (``status: failed``, ``error``)."""
+    options.setdefault("progress", False)
+    options["ablate"] = False
+    rows = replay(model, revisions=[revision], out_dir=out_dir, **options)
+    if rows:
+        return rows[0]
+    name = revision.name if isinstance(revision, Revision) else str(revision)
+    store = ReplayStore(out_dir)
+    found = [r for r in store.ok_records() if r.get("revision") == name]
+    if not found:
+        failed = [r for r in store.rows() if r.get("revision") == name]
+        if failed:
+            return failed[-1]
+        raise RuntimeError(f"{name} is neither done nor failed in {out_dir}: another worker may hold it")
+    return found[-1]
+
+
+def replay_plan(
+    model: str | Recipe,
+    *,
+    revisions: Sequence[str | Revision] | None = None,
+    log_spaced: int | None = None,
+    out_dir: str | os.PathLike = "runs/replay",
+    probes: Sequence | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    shard: tuple[int, int] | None = None,
+    cache_dir: str | None = None,
+    tokens_per_step: int | None = None,
+    batch_tokens: int | None = None,
+    monitor_config: MonitorConfig | None = None,
+    protocol: str | None = None,
+    ablation_revision: str | None = None,
+    fetch: FetchConfig | None = None,
+    max_memory: int | str | None = None,
+    workers: int | None = None,
+    bandwidth_mb_s: float | None = None,
+    tflops: float | None = None,
+    skip_duplicates: bool = False,
+) -> Plan:
+    """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
+    is downloaded but file metadata and a config.json, nothing is written."""
+    fetch = fetch or FetchConfig()
+    s = _setup(
+        model,
+        revisions=revisions,
+        log_spaced=log_spaced,
+        probes=probes,
+        dtype=dtype,
+        tokens_per_step=tokens_per_step,
+        batch_tokens=batch_tokens,
+        monitor_config=monitor_config,
+        protocol=protocol,
+        cache_dir=cache_dir,
+        shard=shard,
+        skip_duplicates=skip_duplicates,
+    )
+    worker = detect_worker()
+    done = {r["revision"] for r in ReplayStore(out_dir, worker).ok_records(s.key)} if Path(out_dir).is_dir() else set()
+    if workers is None:
+        workers, source = (
+            (worker.count or 1),
+            ("from " + worker.launcher if worker.launcher != "single" else "this process alone; --workers N"),
+        )
+    else:
+        source = "--workers"
+    dev = _worker_device(device, worker)
+    return make_plan(
+        s.recipe.model,
+        s.mine,
+        done=done,
+        dtype=s.dtype,
+        protocol=s.protocol,
+        batch_tokens=s.cfg.batch_tokens,
+        probes=s.probes,
+        workers=workers,
+        worker_source=source,
+        cache_dir=cache_dir,
+        fetch=fetch,
+        device=dev,
+        budgets=device_budgets(dev, max_memory, worker.local_rank),
+        **({"bandwidth_mb_s": bandwidth_mb_s} if bandwidth_mb_s else {}),
+        tflops=tflops,
+        ablation=ablation_revision or s.recipe.ablation_revision,
+    )
+
+
+def _worker_device(device: str | None, worker: Worker) -> str:
+    """The device given, else this worker's GPU (its local rank: torchrun's LOCAL_RANK or Slurm's
+    SLURM_LOCALID), else ``default_device``."""
+    if device is not None:
+        return device
+    dev = default_device()
+    if dev.startswith("cuda") and worker.local_rank is not None:
+        import torch
+
+        return f"cuda:{worker.local_rank % torch.cuda.device_count()}"
+    return dev
+
+
+# ---- one worker's loop ---------------------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    rev: Revision
+    item: str  # the claim: the revision's done key
+    placement: Placement | None = None
+    error: BaseException | None = None
+
+
+class _Loop:
+    def __init__(
+        self, s: _Setup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, claims: ClaimConfig | None, max_memory
+    ):
+        self.s = s
+        self.out_dir = out_dir
+        self.worker = detect_worker()
+        if self.worker.launcher == "local-rank":
+            warnings.warn(
+                f"sinkwatch replay: LOCAL_RANK={self.worker.local_rank} without WORLD_SIZE: this process is one worker of an "
+                "unknown number; it claims revisions in the store like any other (nothing is skipped)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.store = ReplayStore(out_dir, self.worker)
+        self.store.check(s.key)
+        self.device = _worker_device(device, self.worker)
+        self.cache_dir = cache_dir
+        self.fetch_config = fetch
+        self.max_memory = max_memory
+        self.claims = Claims(out_dir, self.worker, claims)
+        self.fetcher = Fetcher(s.recipe.model, cache_dir=cache_dir, config=fetch, worker_id=self.worker.id, progress=progress)
+        self.pr_monitor = None
+        cfg = s.cfg
+        if s.protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in s.probes):
+            # the paper's PR ran separately (its per-head scripts): float16, default attention, first 500 sequences
+            self.pr_monitor = Monitor([_first(p, PAPER_PR_SEQUENCES) for p in s.probes if p.kind == "induction"], config=cfg)
+            cfg = dataclasses.replace(cfg, participation_ratio=False)
+        self.monitor = Monitor(s.probes, config=cfg)
+        self.reporter = _replay_wandb(wandb, out_dir, s.recipe, self.worker)
+        self.bar = _counter(len(s.mine), progress, s.recipe.model)
+        self._shapes: dict[str, ModelShape] = {}
+        self._kept: tuple[Revision, Path] | None = None  # the ablation revision, on disk until the ablation ran
+
+    # ---- the loop ----
+    def run(self) -> list[dict]:
+        rows: list[dict] = []
+        pause = 0.25  # waiting for others' claims: looks again after 0.25 s, 0.5 s, ... up to poll_s
+        try:
+            nxt: _Job | None = None
+            while True:
+                if nxt is None:
+                    got = self._claim_next(exclude=())
+                    if got is _WAIT:
+                        _status(self.bar, "-", "waiting for revisions other workers hold")
+                        time.sleep(pause)
+                        pause = min(2 * pause, self.claims.config.poll_s)
+                        continue
+                    if got is None:
+                        break
+                    nxt, pause = self._start(got), 0.25
+                job, nxt = nxt, None
+                path = self._await(job)
+                got = self._claim_next(exclude=(job.rev.name,))  # the next one downloads while this one is probed
+                if isinstance(got, Revision):
+                    nxt = self._start(got)
+                row = self._measure(job, path)
+                if row is not None:
+                    rows.append(row)
+                self._done_with(job, path)
+                self._progress()
+            self._ablation()
+        except BaseException:
+            self._close(wait=False)  # interrupted: do not wait for a download in flight
+            raise
+        self._close(wait=True)
+        return rows
+
+    def _claim_next(self, exclude: Sequence[str]):
+        """Claim the first revision not done anywhere, not failed in this job and not held by another
+        live worker. None: nothing left; _WAIT: what is left is held by others."""
+        done = self.store.done_keys(self.s.key)
+        waiting = False
+        for rev in self.s.mine:
+            if rev.name in exclude:
+                continue
+            item = done_key(self.s.key, rev.name, rev.commit)
+            if item in done or self.claims.failed_this_job(item):
+                continue
+            if not self.claims.try_claim(item, {"revision": rev.name, "commit": rev.commit}):
+                waiting = True
+                continue
+            if item in self.store.done_keys(self.s.key):  # another worker wrote it just before our claim
+                self.claims.release(item)
+                continue
+            return rev
+        return _WAIT if waiting else None
+
+    def _start(self, rev: Revision) -> _Job:
+        """Decide where ``rev`` goes (from its config alone), then start its download."""
+        job = _Job(rev, done_key(self.s.key, rev.name, rev.commit))
+        if rev.path is not None:
+            return job  # a local checkpoint: nothing to download, loaded by its source onto this worker's device
+        try:
+            job.placement = self._place(rev)
+            if not job.placement.fits:
+                raise MemoryError(f"{self.s.recipe.model}@{rev.name} {job.placement.reason}")
+        except HubUnreachableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded with the revision
+            job.error = exc
+            return job
+        if self.fetch_config.prefetch:
+            self.fetcher.prefetch(rev)
+        return job
+
+    def _await(self, job: _Job) -> Path | None:
+        if job.error is not None:
+            return None
+        _status(self.bar, job.rev.name, "download")
+        try:
+            return self.fetcher.fetch(job.rev)
+        except HubUnreachableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded with the revision
+            job.error = exc
+            return None
+
+    def _place(self, rev: Revision) -> Placement:
+        try:
+            config = revision_config(self.s.recipe.model, rev, cache_dir=self.cache_dir, fetch=self.fetch_config)
+        except HubUnreachableError:
+            raise
+        except Exception as exc:  # a missing revision lands here first: say which
+            raise RuntimeError(f"cannot read the config of {self.s.recipe.model}@{rev.name}: {type(exc).__name__}: {exc}") from exc
+        text = config.to_json_string()
+        if text not in self._shapes:
+            self._shapes[text] = ModelShape.from_config(config)
+        seq = max((getattr(p, "seq_len", 0) or 0) for p in self.s.probes) or 256
+        budgets = device_budgets(self.device, self.max_memory, self.worker.local_rank)
+        return place(self._shapes[text], self.s.dtype, budgets, batch_tokens=self.monitor.config.batch_tokens, seq_len=seq)
+
+    def _about(self, rev: Revision) -> dict:
+        """What a row says it measured, ok or failed: the commit, the weights' fingerprint, a duplicate
+        flag, the versions (``provenance``), the protocol label and what changed it, this worker."""
+        s = self.s
+        return {
+            **provenance(rev, s.source.weights.get(rev.name), s.flags.get(rev.name)),
+            **s.label.record_fields(),
+            "worker": self.worker.id,
+        }
+
+    def _measure(self, job: _Job, path: Path | None) -> dict | None:
+        rev, recipe = job.rev, self.s.recipe
+        base = {"model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, **self._about(rev)}
+        row = None
+        if job.error is None:
             try:
-                reporter.log_record(row)
+                row = self._probe(rev, path, job.placement)
+            except HubUnreachableError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - missing revision, out of memory twice, a bad checkpoint...
+                job.error = exc
+        if job.error is not None:
+            row = {**base, "status": "failed", "error": f"{type(job.error).__name__}: {job.error}"}
+            warnings.warn(f"sinkwatch replay: {recipe.model}@{rev.name} failed ({row['error']}); continuing", RuntimeWarning, stacklevel=2)
+        if self.claims.lost(job.item):
+            warnings.warn(
+                f"sinkwatch replay: {rev.name} was taken over by another worker while this one was silent; its result is not written",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        self.store.append(row)  # only a complete record is ever written
+        self.claims.release(job.item, failed=row["status"] == "failed")
+        if self.reporter is not None and row["status"] == "ok":
+            try:
+                self.reporter.log_record(row)
             except Exception as exc:  # noqa: BLE001 - logging never stops a replay
-                warnings.warn(f"sinkwatch replay: W&B logging failed ({exc}); records are in {store.path}", RuntimeWarning, stacklevel=2)
-                reporter = None
-    if reporter is not None:
-        reporter.finish()
-    if ablate:
-        run_ablation(
-            monitor, recipe, ablation_rev, out_dir=out_dir, key=key, dtype=dtype, device=device, cache_dir=cache_dir, bar=bar,
-            load=lambda rev, dt: source.load(rev, dtype=dt, device=device),
-        )  # fmt: skip
-    return rows
+                warnings.warn(
+                    f"sinkwatch replay: W&B logging failed ({exc}); records are in {self.store.path}", RuntimeWarning, stacklevel=2
+                )
+                self.reporter = None
+        return row
+
+    def _probe(self, rev: Revision, path: Path, placement: Placement | None) -> dict:
+        recipe, dtype = self.s.recipe, self.s.dtype
+        gpus = sorted({d for d in placement.device_map.values() if str(d).startswith("cuda")}) if placement is not None else []
+        _reset_peaks(gpus)
+        t0 = time.perf_counter()
+        _status(self.bar, rev.name, "load")
+        model = self._load(rev, path, dtype, placement)
+        load_s = time.perf_counter() - t0
+        try:
+            if self.s.protocol == "paper" and dtype in ("float16", "bfloat16"):
+                # the paper's attention weights came from eager half-precision attention (output_attentions):
+                # every layer's input must come from the same forward for its numbers to carry over
+                model.set_attn_implementation("eager")
+            _status(self.bar, rev.name, "probe")
+            used: dict = {}
+            snap = self._oom_retry(
+                [self.monitor],
+                lambda: self.monitor.probe(
+                    model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=recipe.model, track=False
+                ),
+                used,
+            )
+            record = snap.to_record()
+            record["device"] = device_of(model)
+            if self.pr_monitor is not None:
+                _status(self.bar, rev.name, "PR (float16, first 500)")
+                if dtype == "float16":
+                    model.set_attn_implementation("sdpa")  # the paper's PR scripts ran the default attention
+                else:
+                    # a cast would also cast buffers from_pretrained keeps in float32: load again, after freeing this one
+                    model = None
+                    _release_memory()
+                    model = self._load(rev, path, "float16", placement)
+                values = self._oom_retry([self.pr_monitor], lambda: self.pr_monitor.probe(model, track=False).values, used)
+                record.update({"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"})
+        finally:
+            model = None
+            _release_memory()
+        record.update(self._about(rev))
+        record.update(
+            {
+                "status": "ok",
+                "dtype": dtype,
+                "replay_key": self.s.key,
+                "stage_config": self.monitor.config.stages.to_dict(),
+                "load_seconds": load_s,
+                "revision_seconds": time.perf_counter() - t0,
+                **used,
+            }
+        )
+        if placement is not None and placement.split:
+            record["device_map"] = sorted(set(placement.device_map.values()))
+        if gpus:
+            record["device_peak_bytes"] = _peaks(gpus)  # what this revision needed on its GPUs (the plan's estimate, measured)
+        # stages from the whole store in step order, applied to the complete record (PR included)
+        self._tracker_before(rev).update(record)
+        return record
+
+    def _load(self, rev: Revision, path: Path | None, dtype: str, placement: Placement | None):
+        """A local revision (a user's checkpoint: HF, OLMo-core, Lightning) through its source's loader;
+        a hub one from the folder the fetcher downloaded by commit, straight onto its device(s)."""
+        if rev.path is not None:
+            return self.s.source.load(rev, dtype=dtype, device=self.device)
+        device_map = placement.device_map if placement is not None else {"": self.device}
+        return load_model(str(path), dtype=dtype, device_map=device_map)
+
+    def _oom_retry(self, monitors: list[Monitor], fn, used: dict):
+        """``fn()``; on out-of-memory, once more at half ``batch_tokens`` (recorded as ``oom_batch_tokens``)."""
+        try:
+            return fn()
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            half = max(1, monitors[0].config.batch_tokens // 2)
+            warnings.warn(
+                f"sinkwatch replay: out of memory at batch_tokens={monitors[0].config.batch_tokens}; retrying at {half}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _empty_device_cache()
+            saved = [m.config for m in monitors]
+            for m in monitors:
+                m.config = dataclasses.replace(m.config, batch_tokens=half)
+            try:
+                out = fn()
+            finally:
+                for m, c in zip(monitors, saved):
+                    m.config = c
+            used["oom_batch_tokens"] = half
+            return out
+
+    def _tracker_before(self, rev: Revision) -> StageTracker:
+        """A tracker that has seen every stored revision (any worker's) before ``rev`` in its lineage —
+        its run, and for a parallel run the main run before it — in training order: the order
+        ``merged_records`` (the report) derives the stages in. Flagged duplicates are no trajectory points."""
+        latest = {r["revision"]: r for r in self.store.ok_records(self.s.key) if r["revision"] != rev.name}
+        here = {"revision": rev.name, "step": rev.step, "run": rev.run, "stage": rev.stage, "_this": True}
+        points = [r for r in latest.values() if not r.get("duplicate_of")] + [here]
+        tracker = StageTracker(self.monitor.config.stages)
+        for r in lineage(points, rev.run):
+            if r.get("_this"):
+                break
+            tracker.update(dict(r))
+        return tracker
+
+    def _done_with(self, job: _Job, path: Path | None) -> None:
+        """Evict the revision (the ablation revision stays until the ablation ran) and empty the device cache."""
+        if self.s.ablation == job.rev.name and path is not None and job.error is None:
+            self._kept = (job.rev, path)
+        else:
+            self.fetcher.release(job.rev)
+        _empty_device_cache()
+
+    def _progress(self) -> None:
+        if self.bar is not None:
+            done = self.store.done_keys(self.s.key)
+            self.bar.n = sum(done_key(self.s.key, r.name, r.commit) in done for r in self.s.mine)
+            self.bar.refresh()
+
+    # ---- the ablation, once ----
+    def _ablation(self) -> None:
+        name = self.s.ablation
+        if name is None:
+            return
+        key = ablation_key(self.s.key, name)
+        stored = read_ablation(self.out_dir)
+        if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == key:
+            return
+        rev = next((r for r in self.s.revisions if r.name == name), None)
+        if rev is not None and name not in {r["revision"] for r in self.store.ok_records(self.s.key)}:
+            # the ablation uses that revision's record: whoever writes it runs the ablation after its loop
+            if any(r.get("revision") == name and r.get("status") == "failed" for r in self.store.rows()):
+                warnings.warn(
+                    f"sinkwatch replay: no ablation: its revision {name} failed; rerun to retry both", RuntimeWarning, stacklevel=2
+                )
+            return
+        if rev is None:
+            rev = self.s.source.revision(name)  # outside the trajectory (``main``): the commit its ref pointed at when listed
+        item = "ablation-" + done_key(key, name, rev.commit)
+        if not self.claims.try_claim(item, {"revision": name, "kind": "ablation"}):
+            return  # another worker runs it
+        result = {"status": "failed"}
+        try:
+            kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
+            result = run_ablation(
+                self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
+                cache_dir=self.cache_dir, bar=self.bar,
+                # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
+                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev)), dt, None),
+            )  # fmt: skip
+        finally:
+            self.claims.release(item, failed=result.get("status") != "ok")
+            self.fetcher.release(rev)
+            self._kept = None if self._kept is not None and self._kept[0].name == name else self._kept
+
+    def _close(self, *, wait: bool) -> None:
+        if self._kept is not None:
+            self.fetcher.release(self._kept[0])
+        self.fetcher.close(wait=wait)
+        for item in list(self.claims._held):  # an interrupted worker: free its claims at once
+            self.claims.release(item)
+        self.claims.close()
+        if self.reporter is not None:
+            self.reporter.finish()
+        if self.bar is not None:
+            self.bar.close()
 
 
+# ---- helpers ------------------------------------------------------------------------------------------------------------------
 def _first(probe, n: int):
     """The first ``n`` sequences of a probe (the induction probe draws sequentially: SPEC §3)."""
     if isinstance(probe, ProbeSet):
@@ -143,92 +666,49 @@ def _first(probe, n: int):
     return dataclasses.replace(probe, n=min(n, probe.n))
 
 
-def _replay_one(
-    monitor, store, source: RevisionSource, rev: Revision, dtype, device, bar, *, key, pr_monitor=None, about: dict | None = None
-) -> dict:
-    base = {"model": source.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, **(about or {})}
-    t0 = time.perf_counter()
-    model = None
-    paper = monitor.config.protocol == "paper"
-    try:
-        _status(bar, rev.name, "load")
-        model = source.load(rev, dtype=dtype, device=device)
-        load_s = time.perf_counter() - t0
-        if paper and dtype in ("float16", "bfloat16"):
-            # the paper's attention weights came from eager half-precision attention (output_attentions):
-            # every layer's input must come from the same forward for its numbers to carry over
-            model.set_attn_implementation("eager")
-        _status(bar, rev.name, "probe")
-        monitor.tracker = _tracker_before(store, rev, monitor.config.stages)
-        snap = monitor.probe(model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=source.model)
-        record = snap.to_record()
-        if pr_monitor is not None:
-            _status(bar, rev.name, "PR (float16, first 500)")
-            record.update(_paper_pr(pr_monitor, model, source, rev, dtype, device))
-        record.update(about or {})
-        record.update(
-            {
-                "status": "ok",
-                "dtype": dtype,
-                "device": device_of(model),
-                "replay_key": key,
-                "load_seconds": load_s,
-                "revision_seconds": time.perf_counter() - t0,
-            }
-        )
-        store.append(record)  # only a complete record is ever written
-        return record
-    except HubUnreachableError:
-        raise  # every other revision would fail the same way: stop with the advice
-    except Exception as exc:  # noqa: BLE001 - missing revision, download error, out of memory...
-        failed = {**base, "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-        store.append(failed)
-        warnings.warn(f"sinkwatch replay: {source.model}@{rev.name} failed ({failed['error']}); continuing", RuntimeWarning, stacklevel=2)
-        return failed
-    finally:
-        del model
-        gc.collect()
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text
 
 
-def _paper_pr(pr_monitor: Monitor, model, source: RevisionSource, rev: Revision, dtype: str, device) -> dict:
-    """The paper's PR: its per-head scripts loaded each revision in float16 with the default (sdpa)
-    attention and took the first 500 sequences. A float16 model is reused with sdpa switched back on;
-    another dtype is loaded again in float16 (a cast of the loaded model would also cast buffers
-    that ``from_pretrained`` keeps in float32)."""
-    if dtype == "float16":
-        model.set_attn_implementation("sdpa")
-        half = model
-    else:
-        half = source.load(rev, dtype="float16", device=device)
-    try:
-        values = pr_monitor.probe(half, track=False).values
-    finally:
-        del half
-    return {"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"}
+def _release_memory() -> None:
+    """Give back what a model just dropped held (host and device); call after the last reference is gone."""
+    gc.collect()
+    _empty_device_cache()
 
 
-def _tracker_before(store: ReplayStore, rev: Revision, config) -> StageTracker:
-    """A tracker that has seen every stored revision before ``rev`` in its lineage (its run, and for a
-    parallel run the main run before it), in training order; flagged duplicates are no trajectory points."""
-    latest = {r["revision"]: r for r in store.rows() if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r}
-    latest.pop(rev.name, None)
-    here = {"revision": rev.name, "step": rev.step, "run": rev.run, "stage": rev.stage, "_this": True}
-    points = [r for r in latest.values() if not r.get("duplicate_of")] + [here]
-    tracker = StageTracker(config)
-    for r in lineage(points, rev.run):
-        if r.get("_this"):
-            break
-        tracker.update(dict(r))
-    return tracker
+def _reset_peaks(gpus: list[str]) -> None:
+    if gpus:
+        import torch
+
+        for d in gpus:
+            torch.cuda.reset_peak_memory_stats(d)
 
 
-def _replay_wandb(mode: str, out_dir, recipe: Recipe):
+def _peaks(gpus: list[str]) -> int:
+    import torch
+
+    return int(sum(torch.cuda.max_memory_allocated(d) for d in gpus))
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _replay_wandb(mode: str, out_dir, recipe: Recipe, worker: Worker):
+    """One W&B run per worker (named by the worker), grouped by the store."""
     if mode == "disabled":
         return None
     try:
         from ..reporting.wandb_run import wandb_reporter
 
-        return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": recipe.name or recipe.model})
+        name = f"{recipe.name or recipe.model.split('/')[-1]} {worker.id}"
+        return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": name, "group": store_group(out_dir)})
     except ImportError:
         warnings.warn("sinkwatch replay: wandb is not installed; records are in the store only", RuntimeWarning, stacklevel=2)
         return None

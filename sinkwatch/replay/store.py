@@ -1,4 +1,4 @@
-"""The replay store: one measurement per directory, keyed records, shards, merged reading."""
+"""The replay store: one measurement per directory, keyed records, one file per worker, done anywhere, merged reading."""
 
 from __future__ import annotations
 
@@ -7,21 +7,26 @@ import hashlib
 import json
 import os
 import re
+import time
+import uuid
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..probes import ProbeSet
 from ..reporting.jsonl import append_jsonl, read_jsonl
-from ..stages import StageTracker
+from ..stages import StageConfig, StageTracker
 from .revisions import lineage, runs_of, training_order
+from .workers import Worker, detect_worker
 
 
 # ---- the store -------------------------------------------------------------------------------------------
 def shard_from_env() -> tuple[int, int]:
-    """(K, N) from torchrun / accelerate launch (RANK, WORLD_SIZE), else (0, 1)."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)) or 0)
-    world = int(os.environ.get("WORLD_SIZE", 1) or 1)
-    return rank, max(world, 1)
+    """(index, count) of this worker from its launcher (``workers.detect_worker``; count 1 when unknown).
+
+    Since workers claim revisions in the store, these no longer split the work: they name the worker."""
+    w = detect_worker()
+    return w.index, w.count or 1
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -105,71 +110,149 @@ class StoreMismatchError(ValueError):
 
 
 class ReplayStore:
-    """``DIR/records.jsonl`` (or one shard's file). A record is appended only when complete; a line
-    torn by a crash is skipped when reading, so that revision is simply done again.
+    """One replay store (a directory), as one worker sees it.
+
+    Every worker appends to its own file, ``DIR/records.WORKER.jsonl`` (appends from several hosts to
+    one file are not atomic on NFS), and reads every ``records*.jsonl`` of the directory — files set
+    aside as ``*.superseded*`` excepted — so a revision done by any worker, in any earlier run, with
+    any launcher or worker count, is done (``done_keys``). A record is appended only when complete;
+    a line torn by a crash is skipped when reading, so that revision is simply done again. Reading
+    is incremental: each file is read from where the last look stopped.
 
     A revision is done only when its record was made with the same replay key (model, dtype,
-    protocol, probes). A store holding records made another way is refused with an error naming
-    the difference — one store, one measurement — rather than mixing two protocols in one report.
+    protocol, probes) and commit. A store holding records made another way is refused with an error
+    naming the difference — one store, one measurement — rather than mixing two protocols in one report.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, shard: tuple[int, int] = (0, 1)):
+    def __init__(self, out_dir: str | os.PathLike, worker: Worker | None = None):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        k, n = shard
-        self.path = self.dir / ("records.jsonl" if n == 1 else f"records.shard-{k}-of-{n}.jsonl")
+        self.worker = worker or detect_worker()
+        self.path = self.dir / f"records.{self.worker.id}.jsonl"
+        self._offsets: dict[Path, int] = {}
+        self._rows: list[dict] = []
 
     def rows(self) -> list[dict]:
-        return read_jsonl(self.path)
+        """Every complete row of every records file of the store (ok and failed), read up to now."""
+        for path in record_files(self.dir):
+            self._rows.extend(_read_new_lines(path, self._offsets))
+        return self._rows
+
+    def ok_records(self, key: dict | None = None) -> list[dict]:
+        """Successful records (made with ``key``, when given), in the order they were read."""
+        return [r for r in self.rows() if _is_ok_record(r) and (key is None or key_of(r) == key)]
+
+    def done_keys(self, key: dict | None = None) -> set[str]:
+        """``done_key`` of every successful record anywhere in the store (made with ``key``, when given)."""
+        return {record_done_key(r) for r in self.ok_records(key)}
 
     def done(self, key: dict | None = None) -> set[str]:
-        """Revisions with a successful record (made with ``key``, when given)."""
-        return {
-            r["revision"] for r in self.rows() if r.get("status", "ok") == "ok" and "revision" in r and (key is None or key_of(r) == key)
-        }
+        """Revision names with a successful record anywhere in the store (made with ``key``, when given)."""
+        return {r["revision"] for r in self.ok_records(key) if r.get("revision") is not None}
 
     def check(self, key: dict) -> None:
-        """Refuse (StoreMismatchError) when any successful record of this store's directory — every
-        shard — was made with another replay key."""
-        for path in sorted(self.dir.glob("records*.jsonl")):
-            if ".superseded" in path.name:  # set aside on purpose: not part of the store
-                continue
-            for r in read_jsonl(path):
-                if r.get("status", "ok") != "ok" or "n_layers" not in r:
-                    continue
-                diff = key_difference(key_of(r), key)
-                if diff:
-                    raise StoreMismatchError(
-                        f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
-                        "Its numbers would be reported as this replay's: replay into another --out, "
-                        "or move its records*.jsonl away to redo them"
-                    )
+        """Refuse (StoreMismatchError) when any successful record of the store was made with another replay key."""
+        for r in self.ok_records():
+            diff = key_difference(key_of(r), key)
+            if diff:
+                raise StoreMismatchError(
+                    f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
+                    "Its numbers would be reported as this replay's: replay into another --out, "
+                    "or move its records*.jsonl away to redo them"
+                )
 
     def append(self, row: dict) -> None:
         append_jsonl(self.path, row)
 
 
+def record_files(store_dir: str | os.PathLike) -> list[Path]:
+    """The store's records files: ``records*.jsonl``, except files set aside as ``*.superseded*``."""
+    return [p for p in sorted(Path(store_dir).glob("records*.jsonl")) if ".superseded" not in p.name]
+
+
+def _read_new_lines(path: Path, offsets: dict[Path, int]) -> list[dict]:
+    """Rows appended to ``path`` since the last call: whole lines only (one still being written waits
+    for the next look). The file is opened anew each time: on NFS, open is what shows other hosts' appends."""
+    start = offsets.get(path, 0)
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    end = data.rfind(b"\n") + 1
+    offsets[path] = start + end
+    rows = []
+    for line in data[:end].splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a crash, followed by a fresh one
+            continue
+    return rows
+
+
+def _is_ok_record(r: dict) -> bool:
+    return r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r
+
+
+def store_group(store_dir: str | os.PathLike) -> str:
+    """A name shared by every worker of one store (its W&B group): ``DIR/store.json``'s id, created
+    once (exclusively) by the first worker; the same on every host whatever the mount path."""
+    path = Path(store_dir) / "store.json"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"id": f"{Path(store_dir).resolve().name}-{uuid.uuid4().hex[:8]}"}, f)
+    for _ in range(50):  # the first worker may be writing it right now
+        try:
+            return json.loads(path.read_text())["id"]
+        except (json.JSONDecodeError, KeyError):
+            time.sleep(0.1)
+    raise ValueError(f"{path} is not a sinkwatch store id file: move it away")
+
+
+def stage_config_of(records: Sequence[dict]) -> StageConfig:
+    """The StageConfig the records were staged with (``stage_config``; the default before it was stored)."""
+    configs = {json.dumps(r["stage_config"], sort_keys=True) for r in records if r.get("stage_config") is not None}
+    if len(configs) > 1:
+        warnings.warn(
+            "sinkwatch: the store's records were staged with different StageConfigs; stages are re-derived with the default",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if len(configs) != 1:
+        return StageConfig()
+    return StageConfig(**json.loads(configs.pop()))
+
+
 def merged_records(store_dir: str | os.PathLike) -> list[dict]:
-    """All successful records of a store (every shard), one per revision (the latest), in training
-    order, with ``p0_stage``/``induction_state`` re-derived over the merged sequence — per run: a
-    parallel run (an OLMo-2 ingredient) over the main run before it, then its own records. Revisions
-    flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the report
-    lists them: ``provenance.flagged_records``)."""
+    """All successful records of a store (every worker's file), one per revision (the latest read),
+    in training order, with ``p0_stage``/``induction_state`` derived over that whole sequence with the
+    StageConfig the replay used — the same derivation replay applies when it writes each record — per
+    run: a parallel run (an OLMo-2 ingredient) over the main run before it, then its own records.
+    Revisions flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the
+    report lists them: ``provenance.flagged_records``)."""
     d = Path(store_dir)
     latest: dict[str, dict] = {}
-    for path in sorted(d.glob("records*.jsonl")):
-        if ".superseded" in path.name:
-            continue
-        for r in read_jsonl(path):
-            if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r:
+    offsets: dict[Path, int] = {}
+    for path in record_files(d):
+        for r in _read_new_lines(path, offsets):
+            if _is_ok_record(r):
                 latest[r["revision"]] = r
     if not latest:
         # a live run's store: records keyed by step
         rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
         return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0))
     records = training_order([r for r in latest.values() if not r.get("duplicate_of")])
+    config = stage_config_of(records)
     for run, own in runs_of(records).items():
-        tracker = StageTracker()
+        tracker = StageTracker(config)
         mine = {id(r) for r in own}
         for r in lineage(records, run):
             tracker.update(r if id(r) in mine else dict(r))  # the main run's records keep their own stages
@@ -177,10 +260,8 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
-    """revision -> error of revisions whose latest attempt failed."""
-    status: dict[str, dict] = {}
-    for path in sorted(Path(store_dir).glob("records*.jsonl")):
-        for r in read_jsonl(path):
-            if r.get("revision") is not None:
-                status[r["revision"]] = r
-    return {rev: r.get("error", "") for rev, r in status.items() if r.get("status") == "failed"}
+    """revision -> error of revisions that failed and have no successful record anywhere in the store."""
+    offsets: dict[Path, int] = {}
+    rows = [r for path in record_files(store_dir) for r in _read_new_lines(path, offsets)]
+    ok = {r["revision"] for r in rows if _is_ok_record(r)}
+    return {r["revision"]: r.get("error", "") for r in rows if r.get("status") == "failed" and r.get("revision") not in ok}
