@@ -14,6 +14,7 @@ the stand-in hub (tests/local_hub.py) and local folders of tiny models the tests
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -111,11 +112,22 @@ def test_records_name_the_commit_the_weights_versions_and_device(hub, weights, t
     assert "training step (tokens unknown" not in md and "| main |" not in md
 
 
-def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_says_so(hub, weights, tmp_path):
+def as_process(monkeypatch, pid: int) -> None:
+    """Replay as if from another process (each CLI run is one): its records go to records.HOST.PID.jsonl."""
+    import sinkwatch.replay.run as run_module
+
+    detect = run_module.detect_worker
+    monkeypatch.setattr(run_module, "detect_worker", lambda: dataclasses.replace(detect(), pid=pid))
+
+
+def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_says_so(hub, weights, tmp_path, monkeypatch):
+    as_process(monkeypatch, 9)
     first = run("org/moving", tmp_path)
     old = hub.commit_of("org/moving", "step200")
     assert [r["revision"] for r in first] == ["step100", "step200"]
     new = hub.move_branch("org/moving", "step200", weights["w2"])
+    # a later process, whose records file (records.HOST.10.jsonl) sorts before the first one's (.9.)
+    as_process(monkeypatch, 10)
     again = run("org/moving", tmp_path)
     assert [(r["revision"], r["commit"]) for r in again] == [("step200", new)]  # step100 did not move: done
     assert again[0]["weights_fingerprint"] == fingerprint_of(weights["w2"])
@@ -125,7 +137,7 @@ def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_say
     assert merged["step200"]["commit"] == new
     md = build_report([tmp_path], tmp_path / "rep").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| step200 |") and "moved" in x)
-    assert old[:10] in line and new[:10] in line
+    assert f"moved: {old[:10]} -> {new[:10]}" in line  # in the order measured, whatever the records files are called
 
 
 def test_duplicated_branches_are_flagged_as_a_group_and_left_out_of_the_trajectory(hub, tmp_path):

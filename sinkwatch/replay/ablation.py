@@ -18,7 +18,7 @@ from ..records import jsonable
 from ..reporting.jsonl import read_jsonl
 from .progress import _status
 from .recipes import Recipe
-from .store import StoreMismatchError, key_difference, key_of
+from .store import StoreMismatchError, key_difference, key_of, record_files, write_order
 
 # ---- the paper's group ablation (SPEC §5) -------------------------------------------------------------------
 ABLATION_FILE = "ablation.json"
@@ -70,15 +70,11 @@ def paper_ablation_sets(induction: np.ndarray, n_heads: int) -> tuple[list[tuple
 
 
 def _stored_record(out_dir, revision: str, key: dict) -> dict | None:
-    """The latest successful record of ``revision`` made with ``key``, from any shard."""
-    found = None
-    for path in sorted(Path(out_dir).glob("records*.jsonl")):
-        if ".superseded" in path.name:
-            continue
-        for r in read_jsonl(path):
-            if r.get("revision") == revision and r.get("status", "ok") == "ok" and "n_layers" in r and key_of(r) == key:
-                found = r
-    return found
+    """The latest successful record of ``revision`` made with ``key``, from any worker's file."""
+    rows = [r for path in record_files(out_dir) for r in read_jsonl(path)]
+    found = [r for r in write_order(rows) if r.get("revision") == revision and r.get("status", "ok") == "ok" and "n_layers" in r]
+    found = [r for r in found if key_of(r) == key]
+    return found[-1] if found else None
 
 
 def run_ablation(
