@@ -26,7 +26,7 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
-from sinkwatch.replay import merged_records, record_files, replay
+from sinkwatch.replay import merged_records, record_files, replay, replay_plan
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -126,6 +126,9 @@ def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_say
     old = hub.commit_of("org/moving", "step200")
     assert [r["revision"] for r in first] == ["step100", "step200"]
     new = hub.move_branch("org/moving", "step200", weights["w2"])
+    # the plan says what the replay will do: the moved branch is to measure again (it said "done": by name)
+    plan = replay_plan("org/moving", out_dir=tmp_path, cache_dir=str(tmp_path / "hf_cache"), probes=PROBES, tokens_per_step=TPS)
+    assert [(p.rev.name, p.state) for p in plan.revisions] == [("step100", "done"), ("step200", "to do")]
     # a later process, whose records file (records.HOST.10.jsonl) sorts before the first one's (.9.)
     as_process(monkeypatch, 10)
     again = run("org/moving", tmp_path)

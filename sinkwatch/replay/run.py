@@ -245,6 +245,8 @@ def replay_plan(
     bandwidth_mb_s: float | None = None,
     tflops: float | None = None,
     skip_duplicates: bool = False,
+    lightning_module: str | None = None,
+    live_store: str | None = None,
 ) -> Plan:
     """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
     is downloaded but file metadata and a config.json, nothing is written."""
@@ -261,10 +263,14 @@ def replay_plan(
         protocol=protocol,
         cache_dir=cache_dir,
         shard=shard,
+        lightning_module=lightning_module,
+        live_store=live_store,
         skip_duplicates=skip_duplicates,
     )
     worker = detect_worker()
-    done = {r["revision"] for r in ReplayStore(out_dir, worker).ok_records(s.key)} if Path(out_dir).is_dir() else set()
+    # done as the loop decides it: by done key (a moved branch, a rewritten checkpoint: to do again)
+    stored = ReplayStore(out_dir, worker).done_keys(s.key) if Path(out_dir).is_dir() else set()
+    done = {r.name for r in s.mine if done_key(s.key, r.name, r.commit) in stored}
     if workers is None:
         workers, source = (
             (worker.count or 1),
