@@ -26,7 +26,7 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
-from sinkwatch.replay import merged_records, record_files, replay, replay_plan
+from sinkwatch.replay import merged_records, read_ablation, record_files, replay, replay_plan
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -242,6 +242,22 @@ def test_revisions_on_one_model_folder_are_refused(tmp_path, capsys):
     assert main(argv) == 2
     assert "one checkpoint" in capsys.readouterr().err
     assert not list((tmp_path / "store").glob("records*.jsonl"))
+
+
+def test_the_paper_protocol_replays_and_ablates_a_model_without_sdpa(hub, tmp_path):
+    """gpt-oss has no sdpa (learned sinks): loaded with eager attention, it is probed through it. The
+    paper protocol's float16 PR pass and the ablation's screen switched it to sdpa afterwards, which
+    it cannot run: every revision was recorded failed, and so was the ablation."""
+    import families
+
+    for branch, seed in (("step100", 0), ("main", 1)):
+        families.build("gpt_oss", seed=seed).save_pretrained(tmp_path / branch)
+        hub.add_revision("org/oss", branch, tmp_path / branch)
+    rows = run("org/oss", tmp_path / "store", protocol="paper", dtype="float16", ablate=True, ablation_revision="main")
+    assert [(r["revision"], r["status"]) for r in rows] == [("step100", "ok")], rows[0].get("error")
+    assert rows[0]["pr_dtype"] == "float16" and rows[0]["sink_learned_alpha"]
+    ablation = read_ablation(tmp_path / "store")  # main is no measured revision: its screen is probed for the ablation
+    assert ablation["status"] == "ok" and ablation["screen"] == "probed for the ablation", ablation.get("error")
 
 
 # ---- labels that never lie ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import metrics
-from ..loading import HubUnreachableError, load_model
+from ..loading import HubUnreachableError, load_model, loaded_attention
 from ..monitor import Monitor
 from ..records import jsonable
 from ..reporting.jsonl import read_jsonl
@@ -109,6 +109,7 @@ def run_ablation(
         if record is None:
             _status(bar, revision, "screen for the ablation")
             model = load(revision, dtype)
+            default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if paper and dtype in ("float16", "bfloat16"):
                 model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
             record = monitor.probe(model, track=False, revision=revision, model_name=recipe.model).to_record()
@@ -124,7 +125,7 @@ def run_ablation(
             _status(bar, revision, f"load in {abl_dtype} for the ablation")
             model = load(revision, abl_dtype)
         else:
-            model.set_attn_implementation("sdpa")  # the screen's eager attention was for its rounding only
+            model.set_attn_implementation(default)  # the screen's eager attention was for its rounding only
         _status(bar, revision, f"ablation of {len(heads)} head(s)")
         scores = monitor.ablate(model, heads, control=control)
         result = {

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..loading import HubUnreachableError, default_device, load_model
+from ..loading import HubUnreachableError, default_device, load_model, loaded_attention
 from ..monitor import PAPER_PR_SEQUENCES, Monitor, MonitorConfig
 from ..probes import ProbeSet
 from ..stages import StageTracker
@@ -505,6 +505,7 @@ class _Loop:
         model = self._load(rev, path, dtype, placement)
         load_s = time.perf_counter() - t0
         try:
+            default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if self.s.protocol == "paper" and dtype in ("float16", "bfloat16"):
                 # the paper's attention weights came from eager half-precision attention (output_attentions):
                 # every layer's input must come from the same forward for its numbers to carry over
@@ -523,7 +524,7 @@ class _Loop:
             if self.pr_monitor is not None:
                 _status(self.bar, rev.name, "PR (float16, first 500)")
                 if dtype == "float16":
-                    model.set_attn_implementation("sdpa")  # the paper's PR scripts ran the default attention
+                    model.set_attn_implementation(default)  # the paper's PR scripts ran the model's default attention
                 else:
                     # a cast would also cast buffers from_pretrained keeps in float32: load again, after freeing this one
                     model = None
