@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -228,6 +229,9 @@ def test_a_folder_of_checkpoints_is_a_run_and_a_rewritten_checkpoint_is_measured
     ]
     assert recs[0]["commit"] == recs[0]["weights_fingerprint"] == fingerprint_of(folder_bytes(run_dir / "checkpoint-200"))
     assert main(argv) == 0 and len(store_rows(tmp_path / "store")) == 2  # done
+    # the same folder spelled another way is the same run (it was refused: "made another way (model: run -> run/)")
+    for spelling in (f"{run_dir}/", os.path.relpath(run_dir)):
+        assert main([argv[0], spelling, *argv[2:]]) == 0 and len(store_rows(tmp_path / "store")) == 2
     build("llama", seed=2).save_pretrained(run_dir / "checkpoint-1000")  # rewritten in place
     assert main(argv) == 0
     recs = store_rows(tmp_path / "store")

@@ -36,6 +36,7 @@ from ..stages import StageTracker
 from .ablation import ablation_key, check_ablation, read_ablation, run_ablation
 from .claims import ClaimConfig, Claims
 from .fetch import FetchConfig, Fetcher
+from .local import is_local
 from .plan import ModelShape, Placement, Plan, device_budgets, make_plan, place, revision_config
 from .progress import _counter, _status
 from .protocol import ProtocolLabel, resolve_protocol
@@ -84,6 +85,8 @@ def _setup(
     skip_duplicates=False,
 ) -> _Setup:
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
+    if is_local(recipe.model):  # one run, however its path is spelled (run/, ./run, /abs/run): one replay key, one store
+        recipe = dataclasses.replace(recipe, model=str(Path(recipe.model).resolve()))
     names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
     names = [r.name if isinstance(r, Revision) else str(r) for r in names] if names is not None else None
     tps = tokens_per_step or recipe.tokens_per_step
