@@ -264,6 +264,23 @@ def test_the_paper_protocol_replays_and_ablates_a_model_without_sdpa(hub, tmp_pa
     assert ablation["status"] == "ok" and ablation["screen"] == "probed for the ablation", ablation.get("error")
 
 
+def test_an_ablation_at_a_branch_that_moved_is_run_again_and_names_its_commit(hub, weights, tmp_path):
+    """The packaged OLMo/OLMoE recipes ablate at ``main``, and OLMoE's main was rewritten. The ablation was
+    keyed by the branch name alone: after main moved, a rerun kept the old weights' ablation as done, and
+    ablation.json never said which commit it measured."""
+    for branch, w in (("step100", "w0"), ("main", "w1")):
+        hub.add_revision("org/abl", branch, weights[w])
+    run("org/abl", tmp_path, ablate=True, ablation_revision="main")
+    old = hub.commit_of("org/abl", "main")
+    new = hub.move_branch("org/abl", "main", weights["w2"])
+    assert run("org/abl", tmp_path, ablate=True, ablation_revision="main") == []  # step100 is done
+    assert [p for p in hub.downloads("model.") if new in p], "the moved main was never fetched: its old ablation was kept as done"
+    ablation = read_ablation(tmp_path)
+    assert ablation["status"] == "ok" and ablation["commit"] == new
+    kept = json.loads((tmp_path / f"ablation.{old[:12]}.json").read_text())  # the earlier result stays, named by its commit
+    assert kept["status"] == "ok" and kept["commit"] == old
+
+
 # ---- labels that never lie ----------------------------------------------------------------------------------
 @pytest.fixture()
 def recipe(tmp_path):

@@ -624,20 +624,19 @@ class _Loop:
         name = self.s.ablation
         if name is None:
             return
-        key = ablation_key(self.s.key, name)
+        listed = next((r for r in self.s.revisions if r.name == name), None)
+        rev = listed or self.s.source.revision(name)  # outside the trajectory (``main``): the commit its ref pointed at when listed
+        key = ablation_key(self.s.key, name, rev.commit)  # a branch that moved (OLMoE's main) is ablated again
         stored = read_ablation(self.out_dir)
         if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == key:
             return
-        rev = next((r for r in self.s.revisions if r.name == name), None)
-        if rev is not None and name not in {r["revision"] for r in self.store.ok_records(self.s.key)}:
+        if listed is not None and done_key(self.s.key, name, rev.commit) not in self.store.done_keys(self.s.key):
             # the ablation uses that revision's record: whoever writes it runs the ablation after its loop
             if any(r.get("revision") == name and r.get("status") == "failed" for r in self.store.rows()):
                 warnings.warn(
                     f"sinkwatch replay: no ablation: its revision {name} failed; rerun to retry both", RuntimeWarning, stacklevel=2
                 )
             return
-        if rev is None:
-            rev = self.s.source.revision(name)  # outside the trajectory (``main``): the commit its ref pointed at when listed
         item = "ablation-" + done_key(key, name, rev.commit)
         if not self.claims.try_claim(item, {"revision": name, "kind": "ablation"}):
             return  # another worker runs it
@@ -646,7 +645,7 @@ class _Loop:
             kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
             result = run_ablation(
                 self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
-                cache_dir=self.cache_dir, bar=self.bar,
+                cache_dir=self.cache_dir, bar=self.bar, commit=rev.commit,
                 # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
                 load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev)), dt, None),
             )  # fmt: skip
