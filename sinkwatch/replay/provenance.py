@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..records import versions
 from .hub import is_weight_file, remote_files
 from .revisions import Revision, order_key
 
@@ -210,37 +211,6 @@ def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
 
 
 # ---- what a record says about itself ------------------------------------------------------------------
-def versions() -> dict[str, str]:
-    """The versions a record was made with (SPEC §10)."""
-    import huggingface_hub
-    import torch
-    import transformers
-
-    from .. import __version__
-
-    return {
-        "sinkwatch": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "huggingface_hub": huggingface_hub.__version__,
-    }
-
-
-def device_of(model) -> str:
-    """Where the model's weights sit: ``cpu``, ``cuda:0 (NVIDIA H200)``, ``cuda:0,cuda:1`` when split."""
-    import torch
-
-    devices = sorted({str(p.device) for p in model.parameters()})
-    names = []
-    for d in devices:
-        dev = torch.device(d)
-        if dev.type == "cuda" and torch.cuda.is_available():
-            names.append(f"{d} ({torch.cuda.get_device_name(dev)})")
-        else:
-            names.append(d)
-    return ",".join(names) if names else "none"
-
-
 def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | None) -> dict:
     """The record keys of SPEC §10 that say what was measured (``device`` is added once loaded)."""
     out = {

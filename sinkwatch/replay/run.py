@@ -40,7 +40,7 @@ from .local import is_local
 from .plan import ModelShape, Placement, Plan, device_budgets, make_plan, place, revision_config
 from .progress import _counter, _status
 from .protocol import ProtocolLabel, resolve_protocol
-from .provenance import DuplicateGroup, device_of, provenance, warn_duplicates
+from .provenance import DuplicateGroup, provenance, warn_duplicates
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .source import RevisionSource, revision_source
@@ -522,8 +522,7 @@ class _Loop:
                 ),
                 used,
             )
-            record = snap.to_record()
-            record["device"] = device_of(model)
+            record = snap.to_record()  # with the device it ran on (Monitor.probe)
             if self.pr_monitor is not None:
                 _status(self.bar, rev.name, "PR (float16, first 500)")
                 if dtype == "float16":
