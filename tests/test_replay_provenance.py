@@ -27,7 +27,7 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
-from sinkwatch.replay import merged_records, read_ablation, record_files, replay, replay_plan
+from sinkwatch.replay import FetchConfig, failed_revisions, merged_records, read_ablation, record_files, replay, replay_plan
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -142,6 +142,23 @@ def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_say
     md = build_report([tmp_path], tmp_path / "rep").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| step200 |") and "moved" in x)
     assert f"moved: {old[:10]} -> {new[:10]}" in line  # in the order measured, whatever the records files are called
+
+
+def test_a_moved_branch_whose_new_weights_fail_is_reported_failed(hub, weights, tmp_path):
+    """The old commit's record is still drawn (the latest that succeeded); the report must say the
+    branch's new weights failed. It said nothing: failures were matched to successes by name alone."""
+    hub.add_revision("org/movefail", "step100", weights["w0"])
+    run("org/movefail", tmp_path)
+    new = hub.move_branch("org/movefail", "step100", weights["w1"])
+    hub.fail(f"{new}/model.safetensors", times=10_000, status=503, method="GET")
+    try:
+        rows = run("org/movefail", tmp_path, fetch=FetchConfig(retries=0))
+    finally:
+        hub.clear_faults()
+    assert [(r["revision"], r["status"], r["commit"]) for r in rows] == [("step100", "failed", new)]
+    assert list(failed_revisions(tmp_path)) == ["step100"]
+    md = build_report([tmp_path], tmp_path / "rep").read_text()
+    assert "- `step100`:" in md[md.index("Failed revisions") :]
 
 
 def test_duplicated_branches_are_flagged_as_a_group_and_left_out_of_the_trajectory(hub, tmp_path):

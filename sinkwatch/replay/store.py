@@ -266,8 +266,11 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
-    """revision -> error of revisions that failed and have no successful record anywhere in the store."""
+    """revision -> error of revisions whose latest attempt failed, at a commit with no successful record
+    anywhere in the store: a moved branch whose new weights failed is listed, though its old commit's
+    record is still the one drawn; a failure that a later success (any worker's, any commit) followed is not."""
     offsets: dict[Path, int] = {}
-    rows = [r for path in record_files(store_dir) for r in _read_new_lines(path, offsets)]
-    ok = {r["revision"] for r in rows if _is_ok_record(r)}
-    return {r["revision"]: r.get("error", "") for r in rows if r.get("status") == "failed" and r.get("revision") not in ok}
+    rows = write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets))
+    latest = {r["revision"]: r for r in rows if r.get("revision") is not None and (r.get("status") == "failed" or _is_ok_record(r))}
+    ok = {(r["revision"], r.get("commit")) for r in rows if _is_ok_record(r)}
+    return {name: r.get("error", "") for name, r in latest.items() if r.get("status") == "failed" and (name, r.get("commit")) not in ok}
