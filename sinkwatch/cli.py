@@ -124,6 +124,8 @@ def cmd_replay(args) -> int:
         fetch=fetch,
         max_memory=args.max_memory,
         skip_duplicates=args.skip_duplicates,
+        lightning_module=args.lightning_module,  # a local run's, for the plan too
+        live_store=args.live_store,
     )
     if args.plan:
         plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops, **common)
@@ -137,8 +139,6 @@ def cmd_replay(args) -> int:
         progress=not args.no_progress,
         ablate=args.ablate,
         claims=claims,
-        lightning_module=args.lightning_module,
-        live_store=args.live_store,
         **common,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")

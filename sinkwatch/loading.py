@@ -68,6 +68,13 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+def loaded_attention(model) -> str:
+    """The attention implementation ``model`` was loaded with — sdpa where its class can run it, eager
+    where it cannot (gpt-oss, Gemma 2): the model's default attention, to go back to after a pass
+    that switched it (the paper protocol's eager float16 screen)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+
+
 def load_model(
     name_or_path: str,
     *,

@@ -21,6 +21,7 @@ from .capture import ProbeTarget, resolve_target, untouched
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
+from .records import device_of, versions
 from .snapshot import Snapshot
 from .stages import StageConfig, StageTracker
 
@@ -136,6 +137,8 @@ class Monitor:
         values["probe_seconds"] = time.perf_counter() - t0
         values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (SPEC §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
+        values["versions"] = versions()  # sinkwatch / torch / transformers (SPEC §10: every record)
+        values["device"] = device_of(target.module)  # where the weights sat: cpu, cuda:0 (NVIDIA H200), ...
         snap = Snapshot(
             model=model_name or target.name,
             n_layers=target.n_layers,

@@ -4,7 +4,8 @@
 prefix-matching heatmap), the head-class table (``HEAD_CLASS_COLUMNS``, ``head_class_rows``)
 whose class columns follow ``metrics.SELECTIVITY_CLASSES``, and the counts over softmax blocks
 (``softmax_layers_of``, ``softmax_heads``, ``n_sink_heads``) that hybrid stacks need: their records
-hold null entries for blocks without softmax attention.
+hold null entries for blocks without softmax attention; ``versions`` and ``device_of``: where a
+record was made (every record, live or replayed).
 """
 
 from __future__ import annotations
@@ -77,3 +78,35 @@ def n_sink_heads(record: Mapping[str, Any]) -> int | None:
     """Heads with first-token selectivity >= 30x over the softmax blocks (None without the screen)."""
     per_layer = record.get("sink_heads_per_layer")
     return None if per_layer is None else int(sum(n for n in per_layer if n is not None))
+
+
+# ---- where a record was made (SPEC §10: every record, live, probe and replay) ----------------------------------
+def versions() -> dict[str, str]:
+    """The versions a record was made with (SPEC §10)."""
+    import huggingface_hub
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "sinkwatch": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "huggingface_hub": huggingface_hub.__version__,
+    }
+
+
+def device_of(model) -> str:
+    """Where the model's weights sit: ``cpu``, ``cuda:0 (NVIDIA H200)``, ``cuda:0,cuda:1`` when split."""
+    import torch
+
+    devices = sorted({str(p.device) for p in model.parameters()})
+    names = []
+    for d in devices:
+        dev = torch.device(d)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            names.append(f"{d} ({torch.cuda.get_device_name(dev)})")
+        else:
+            names.append(d)
+    return ",".join(names) if names else "none"

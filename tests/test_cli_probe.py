@@ -55,6 +55,9 @@ def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsy
     assert record["probe"] == "natural+induction+repeated"
     assert record["n_layers"] == 2 and record["n_heads"] == 4
     assert record["p0_stage_now"] in ("none", "early", "transitional", "final")
+    # where it ran (SPEC §10: every record, not only replay's): the versions, the device, the kernel
+    assert {"sinkwatch", "torch", "transformers"} <= set(record["versions"]) and record["device"] == "cpu"
+    assert record["stats_backend"] == "torch"
 
 
 def test_probe_in_bfloat16(model_dir, tmp_path):

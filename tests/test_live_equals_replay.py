@@ -101,7 +101,16 @@ def _same(x, y) -> bool:
     return x == y
 
 
-def test_lightning_live_records_equal_replay_of_its_checkpoints(tmp_path):
+def _plan(target: Path, out: Path, capsys, *extra: str) -> str:
+    """``sinkwatch replay DIR --plan`` of a replayed folder: every checkpoint done, nothing to fetch."""
+    capsys.readouterr()
+    assert main(["replay", str(target), "--out", str(out), "--plan", *extra]) == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "to measure: 0 revision(s), 0 to download (0 B)" in text, text
+    return text
+
+
+def test_lightning_live_records_equal_replay_of_its_checkpoints(tmp_path, capsys):
     pl.seed_everything(0)
     saves = SaveAtProbeSteps(tmp_path / "pretrained", tmp_path / "ckpt")
     cb = SinkWatchCallback(every_n_steps=EVERY, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
@@ -113,6 +122,9 @@ def test_lightning_live_records_equal_replay_of_its_checkpoints(tmp_path):
     # .ckpt files: step and tokens from the checkpoint, the probe sets and natural windows from the callback state
     ckpts = _replay(tmp_path / "ckpt", tmp_path / "replay-ckpt", "--lightning-module", "train_helpers:LitTiny")
     _assert_equal(live, ckpts, steps)
+    # the plan of the same command (--lightning-module given: it was refused as if missing); no config.json to size from
+    plan = _plan(tmp_path / "ckpt", tmp_path / "replay-ckpt", capsys, "--lightning-module", "train_helpers:LitTiny")
+    assert "3 done already in the store" in plan and "memory: not estimated" in plan
     # save_pretrained folders with the step in the name: tokens per step given, the probe sets from the live store
     live_store = ("--live-store", str(tmp_path / "sw"), "--tokens-per-step", str(BATCH * LENGTH))
     folders = _replay(tmp_path / "pretrained", tmp_path / "replay-pretrained", *live_store)
@@ -151,7 +163,7 @@ def _close(x, y) -> bool:
     return x == y
 
 
-def test_olmo_core_live_records_equal_replay_of_its_checkpoints(tmp_path):
+def test_olmo_core_live_records_equal_replay_of_its_checkpoints(tmp_path, capsys):
     pytest.importorskip("olmo_core")
     from olmo_core.train.callbacks import ConfigSaverCallback
     from olmo_core_helpers import build_trainer, model_config
@@ -167,3 +179,5 @@ def test_olmo_core_live_records_equal_replay_of_its_checkpoints(tmp_path):
     replayed = _replay(tmp_path / "ckpt", tmp_path / "replay")
     assert [r["revision"] for r in replayed] == ["step0", "step2", "step4"]
     _assert_equal(read_jsonl(tmp_path / "sw" / "records.jsonl"), replayed, [0, 2, 4], close=_close)
+    # the plan of the same folder: OLMo-core's config.json is its experiment config, not a transformers one
+    assert "3 done already in the store" in _plan(tmp_path / "ckpt", tmp_path / "replay", capsys)

@@ -14,8 +14,10 @@ the stand-in hub (tests/local_hub.py) and local folders of tiny models the tests
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
-from sinkwatch.replay import merged_records, record_files, replay
+from sinkwatch.replay import FetchConfig, failed_revisions, merged_records, read_ablation, record_files, replay, replay_plan
 from sinkwatch.report import build_report
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -111,11 +113,25 @@ def test_records_name_the_commit_the_weights_versions_and_device(hub, weights, t
     assert "training step (tokens unknown" not in md and "| main |" not in md
 
 
-def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_says_so(hub, weights, tmp_path):
+def as_process(monkeypatch, pid: int) -> None:
+    """Replay as if from another process (each CLI run is one): its records go to records.HOST.PID.jsonl."""
+    import sinkwatch.replay.run as run_module
+
+    detect = run_module.detect_worker
+    monkeypatch.setattr(run_module, "detect_worker", lambda: dataclasses.replace(detect(), pid=pid))
+
+
+def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_says_so(hub, weights, tmp_path, monkeypatch):
+    as_process(monkeypatch, 9)
     first = run("org/moving", tmp_path)
     old = hub.commit_of("org/moving", "step200")
     assert [r["revision"] for r in first] == ["step100", "step200"]
     new = hub.move_branch("org/moving", "step200", weights["w2"])
+    # the plan says what the replay will do: the moved branch is to measure again (it said "done": by name)
+    plan = replay_plan("org/moving", out_dir=tmp_path, cache_dir=str(tmp_path / "hf_cache"), probes=PROBES, tokens_per_step=TPS)
+    assert [(p.rev.name, p.state) for p in plan.revisions] == [("step100", "done"), ("step200", "to do")]
+    # a later process, whose records file (records.HOST.10.jsonl) sorts before the first one's (.9.)
+    as_process(monkeypatch, 10)
     again = run("org/moving", tmp_path)
     assert [(r["revision"], r["commit"]) for r in again] == [("step200", new)]  # step100 did not move: done
     assert again[0]["weights_fingerprint"] == fingerprint_of(weights["w2"])
@@ -125,7 +141,24 @@ def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_say
     assert merged["step200"]["commit"] == new
     md = build_report([tmp_path], tmp_path / "rep").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| step200 |") and "moved" in x)
-    assert old[:10] in line and new[:10] in line
+    assert f"moved: {old[:10]} -> {new[:10]}" in line  # in the order measured, whatever the records files are called
+
+
+def test_a_moved_branch_whose_new_weights_fail_is_reported_failed(hub, weights, tmp_path):
+    """The old commit's record is still drawn (the latest that succeeded); the report must say the
+    branch's new weights failed. It said nothing: failures were matched to successes by name alone."""
+    hub.add_revision("org/movefail", "step100", weights["w0"])
+    run("org/movefail", tmp_path)
+    new = hub.move_branch("org/movefail", "step100", weights["w1"])
+    hub.fail(f"{new}/model.safetensors", times=10_000, status=503, method="GET")
+    try:
+        rows = run("org/movefail", tmp_path, fetch=FetchConfig(retries=0))
+    finally:
+        hub.clear_faults()
+    assert [(r["revision"], r["status"], r["commit"]) for r in rows] == [("step100", "failed", new)]
+    assert list(failed_revisions(tmp_path)) == ["step100"]
+    md = build_report([tmp_path], tmp_path / "rep").read_text()
+    assert "- `step100`:" in md[md.index("Failed revisions") :]
 
 
 def test_duplicated_branches_are_flagged_as_a_group_and_left_out_of_the_trajectory(hub, tmp_path):
@@ -213,6 +246,9 @@ def test_a_folder_of_checkpoints_is_a_run_and_a_rewritten_checkpoint_is_measured
     ]
     assert recs[0]["commit"] == recs[0]["weights_fingerprint"] == fingerprint_of(folder_bytes(run_dir / "checkpoint-200"))
     assert main(argv) == 0 and len(store_rows(tmp_path / "store")) == 2  # done
+    # the same folder spelled another way is the same run (it was refused: "made another way (model: run -> run/)")
+    for spelling in (f"{run_dir}/", os.path.relpath(run_dir)):
+        assert main([argv[0], spelling, *argv[2:]]) == 0 and len(store_rows(tmp_path / "store")) == 2
     build("llama", seed=2).save_pretrained(run_dir / "checkpoint-1000")  # rewritten in place
     assert main(argv) == 0
     recs = store_rows(tmp_path / "store")
@@ -227,6 +263,39 @@ def test_revisions_on_one_model_folder_are_refused(tmp_path, capsys):
     assert main(argv) == 2
     assert "one checkpoint" in capsys.readouterr().err
     assert not list((tmp_path / "store").glob("records*.jsonl"))
+
+
+def test_the_paper_protocol_replays_and_ablates_a_model_without_sdpa(hub, tmp_path):
+    """gpt-oss has no sdpa (learned sinks): loaded with eager attention, it is probed through it. The
+    paper protocol's float16 PR pass and the ablation's screen switched it to sdpa afterwards, which
+    it cannot run: every revision was recorded failed, and so was the ablation."""
+    import families
+
+    for branch, seed in (("step100", 0), ("main", 1)):
+        families.build("gpt_oss", seed=seed).save_pretrained(tmp_path / branch)
+        hub.add_revision("org/oss", branch, tmp_path / branch)
+    rows = run("org/oss", tmp_path / "store", protocol="paper", dtype="float16", ablate=True, ablation_revision="main")
+    assert [(r["revision"], r["status"]) for r in rows] == [("step100", "ok")], rows[0].get("error")
+    assert rows[0]["pr_dtype"] == "float16" and rows[0]["sink_learned_alpha"]
+    ablation = read_ablation(tmp_path / "store")  # main is no measured revision: its screen is probed for the ablation
+    assert ablation["status"] == "ok" and ablation["screen"] == "probed for the ablation", ablation.get("error")
+
+
+def test_an_ablation_at_a_branch_that_moved_is_run_again_and_names_its_commit(hub, weights, tmp_path):
+    """The packaged OLMo/OLMoE recipes ablate at ``main``, and OLMoE's main was rewritten. The ablation was
+    keyed by the branch name alone: after main moved, a rerun kept the old weights' ablation as done, and
+    ablation.json never said which commit it measured."""
+    for branch, w in (("step100", "w0"), ("main", "w1")):
+        hub.add_revision("org/abl", branch, weights[w])
+    run("org/abl", tmp_path, ablate=True, ablation_revision="main")
+    old = hub.commit_of("org/abl", "main")
+    new = hub.move_branch("org/abl", "main", weights["w2"])
+    assert run("org/abl", tmp_path, ablate=True, ablation_revision="main") == []  # step100 is done
+    assert [p for p in hub.downloads("model.") if new in p], "the moved main was never fetched: its old ablation was kept as done"
+    ablation = read_ablation(tmp_path)
+    assert ablation["status"] == "ok" and ablation["commit"] == new
+    kept = json.loads((tmp_path / f"ablation.{old[:12]}.json").read_text())  # the earlier result stays, named by its commit
+    assert kept["status"] == "ok" and kept["commit"] == old
 
 
 # ---- labels that never lie ----------------------------------------------------------------------------------

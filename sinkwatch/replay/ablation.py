@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from .. import metrics
-from ..loading import HubUnreachableError, load_model
+from ..loading import HubUnreachableError, load_model, loaded_attention
 from ..monitor import Monitor
 from ..records import jsonable
 from ..reporting.jsonl import read_jsonl
 from .progress import _status
 from .recipes import Recipe
-from .store import StoreMismatchError, key_difference, key_of
+from .store import StoreMismatchError, key_difference, key_of, record_files, write_order
 
 # ---- the paper's group ablation (SPEC §5) -------------------------------------------------------------------
 ABLATION_FILE = "ablation.json"
@@ -29,9 +29,10 @@ PAPER_CONTROL_RULE = (
 )
 
 
-def ablation_key(key: dict, revision: str) -> dict:
-    """What makes two ablations the same measurement: the store's replay key and the revision."""
-    return {**key, "revision": revision}
+def ablation_key(key: dict, revision: str, commit: str | None = None) -> dict:
+    """What makes two ablations the same measurement: the store's replay key, the revision and the
+    commit it resolved to (when known: a branch that moved, as OLMoE's ``main`` did, is ablated again)."""
+    return {**key, "revision": revision, **({"commit": commit} if commit else {})}
 
 
 def read_ablation(out_dir: str | os.PathLike) -> dict | None:
@@ -70,19 +71,26 @@ def paper_ablation_sets(induction: np.ndarray, n_heads: int) -> tuple[list[tuple
 
 
 def _stored_record(out_dir, revision: str, key: dict) -> dict | None:
-    """The latest successful record of ``revision`` made with ``key``, from any shard."""
-    found = None
-    for path in sorted(Path(out_dir).glob("records*.jsonl")):
-        if ".superseded" in path.name:
-            continue
-        for r in read_jsonl(path):
-            if r.get("revision") == revision and r.get("status", "ok") == "ok" and "n_layers" in r and key_of(r) == key:
-                found = r
-    return found
+    """The latest successful record of ``revision`` made with ``key``, from any worker's file."""
+    rows = [r for path in record_files(out_dir) for r in read_jsonl(path)]
+    found = [r for r in write_order(rows) if r.get("revision") == revision and r.get("status", "ok") == "ok" and "n_layers" in r]
+    found = [r for r in found if key_of(r) == key]
+    return found[-1] if found else None
 
 
 def run_ablation(
-    monitor: Monitor, recipe: Recipe, revision: str, *, out_dir, key: dict, dtype: str, device=None, cache_dir=None, bar=None, load=None
+    monitor: Monitor,
+    recipe: Recipe,
+    revision: str,
+    *,
+    out_dir,
+    key: dict,
+    dtype: str,
+    device=None,
+    cache_dir=None,
+    bar=None,
+    load=None,
+    commit: str | None = None,
 ) -> dict:
     """Group ablation of the >= 50x induction circuit at ``revision``, written to ``DIR/ablation.json``.
 
@@ -90,21 +98,26 @@ def run_ablation(
     revision made here the same way (its induction selectivities kept in the result). Protocol
     "paper": the model in float16 and the paper's control (``paper_ablation_sets``); protocol
     "sinkwatch": the replay's dtype and ``Monitor.ablate``'s own draw. Done already (same key): skipped.
-    A failure is written with its reason and warned about; a rerun retries it. Returns the result.
+    A failure is written with its reason and warned about; a rerun retries it. ``commit``: the commit
+    ``revision`` resolved to (recorded; a successful ablation made at another commit — a branch that
+    moved — is kept as ``ablation.<commit>.json``). Returns the result.
     """
     if load is None:  # ``load(revision, dtype)``: the replay's loader (a hub revision by its listed commit, a local checkpoint)
 
         def load(rev, dt):
             return load_model(recipe.model, revision=rev, dtype=dt, device=device, cache_dir=cache_dir)
 
-    wanted = ablation_key(key, revision)
+    wanted = ablation_key(key, revision, commit)
     stored = read_ablation(out_dir)
     if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == wanted:
         _status(bar, revision, "ablation done already")
         return stored
     paper = monitor.config.protocol == "paper"
     abl_dtype = PAPER_ABLATION_DTYPE if paper else dtype
-    base = {"kind": "ablation", "model": recipe.model, "revision": revision, "protocol": monitor.config.protocol, "dtype": abl_dtype}
+    base = {
+        "kind": "ablation", "model": recipe.model, "revision": revision, "commit": commit, "protocol": monitor.config.protocol,
+        "dtype": abl_dtype,
+    }  # fmt: skip
     t0 = time.perf_counter()
     model = None
     try:
@@ -113,6 +126,7 @@ def run_ablation(
         if record is None:
             _status(bar, revision, "screen for the ablation")
             model = load(revision, dtype)
+            default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if paper and dtype in ("float16", "bfloat16"):
                 model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
             record = monitor.probe(model, track=False, revision=revision, model_name=recipe.model).to_record()
@@ -128,7 +142,7 @@ def run_ablation(
             _status(bar, revision, f"load in {abl_dtype} for the ablation")
             model = load(revision, abl_dtype)
         else:
-            model.set_attn_implementation("sdpa")  # the screen's eager attention was for its rounding only
+            model.set_attn_implementation(default)  # the screen's eager attention was for its rounding only
         _status(bar, revision, f"ablation of {len(heads)} head(s)")
         scores = monitor.ablate(model, heads, control=control)
         result = {
@@ -155,6 +169,10 @@ def run_ablation(
     finally:
         del model
         gc.collect()
+    if stored is not None and stored.get("status") == "ok":
+        # made at another commit of the revision (check_ablation refused any other difference): kept, never overwritten
+        earlier = (stored.get("ablation_key") or {}).get("commit") or "unrecorded"
+        os.replace(Path(out_dir) / ABLATION_FILE, Path(out_dir) / f"ablation.{earlier[:12]}.json")
     _write_atomic(Path(out_dir) / ABLATION_FILE, result)
     return result
 

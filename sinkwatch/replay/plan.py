@@ -318,7 +318,7 @@ def make_plan(
         pr_tokens = min(500, getattr(ind, "n", 0) or 0) * (getattr(ind, "seq_len", 0) or 0) if ind is not None else 0
     shape = placement = None
     last = next((p.rev for p in reversed(planned)), None)
-    if last is not None:
+    if last is not None and _has_hf_config(last):
         shape = ModelShape.from_config(revision_config(model, last, cache_dir=cache_dir, fetch=fetch))
         placement = place(shape, dtype, budgets or device_budgets(device), batch_tokens=batch_tokens, seq_len=seq_len)
     dev = device or default_device()
@@ -341,6 +341,18 @@ def make_plan(
         keep_cache=fetch.keep_cache,
         ablation=ablation,
     )
+
+
+def _has_hf_config(rev: Revision) -> bool:
+    """Whether the model's size can be read from a transformers config: a hub revision or a local
+    Hugging Face folder. A Lightning ``.ckpt`` or an OLMo-core checkpoint (whose ``config.json`` is the
+    experiment's) holds none; the plan then lists the files without a memory estimate (the loop never
+    places a local revision: it loads onto the worker's device)."""
+    if rev.path is None:
+        return True
+    from .local import kind_of
+
+    return kind_of(Path(rev.path)) == "hf"
 
 
 def _files(model: str, rev: Revision, cache_dir, fetch: FetchConfig) -> tuple[list[RemoteFile], bool]:
@@ -396,6 +408,8 @@ def format_plan(plan: Plan) -> str:
             lines.append(
                 f"  + the paper protocol's float16 PR pass loads after the {plan.dtype} model is freed: peak is the larger of the two"
             )
+    elif plan.revisions:
+        lines.append("memory: not estimated (these checkpoints hold no transformers config.json: Lightning .ckpt, OLMo-core)")
     if plan.placement is not None:
         pl = plan.placement
         where = ", ".join(f"{_dev(d)} {human(b)}" for d, b in pl.budgets.items())

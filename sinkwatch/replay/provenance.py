@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..records import versions
 from .hub import is_weight_file, remote_files
 from .revisions import Revision, order_key
 
@@ -210,37 +211,6 @@ def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
 
 
 # ---- what a record says about itself ------------------------------------------------------------------
-def versions() -> dict[str, str]:
-    """The versions a record was made with (SPEC §10)."""
-    import huggingface_hub
-    import torch
-    import transformers
-
-    from .. import __version__
-
-    return {
-        "sinkwatch": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "huggingface_hub": huggingface_hub.__version__,
-    }
-
-
-def device_of(model) -> str:
-    """Where the model's weights sit: ``cpu``, ``cuda:0 (NVIDIA H200)``, ``cuda:0,cuda:1`` when split."""
-    import torch
-
-    devices = sorted({str(p.device) for p in model.parameters()})
-    names = []
-    for d in devices:
-        dev = torch.device(d)
-        if dev.type == "cuda" and torch.cuda.is_available():
-            names.append(f"{d} ({torch.cuda.get_device_name(dev)})")
-        else:
-            names.append(d)
-    return ",".join(names) if names else "none"
-
-
 def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | None) -> dict:
     """The record keys of SPEC §10 that say what was measured (``device`` is added once loaded)."""
     out = {
@@ -264,15 +234,17 @@ def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | N
 
 # ---- reading a store back ----------------------------------------------------------------------------
 def stored_records(store_dir: str | os.PathLike) -> list[dict]:
-    """Every successful record of every records*.jsonl of a store (not ``*.superseded*``), in file order."""
+    """Every successful record of every records*.jsonl of a store (not ``*.superseded*``), in the order
+    they were written (``store.write_order``: across workers' files, not by file name)."""
     from ..reporting.jsonl import read_jsonl
+    from .store import write_order
 
     out = []
     for path in sorted(Path(store_dir).glob("records*.jsonl")):
         if ".superseded" in path.name:
             continue
         out += [r for r in read_jsonl(path) if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r]
-    return out
+    return write_order(out)
 
 
 def moved_branches(records: Sequence[dict]) -> dict[str, list[str]]:

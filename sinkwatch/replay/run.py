@@ -29,17 +29,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..loading import HubUnreachableError, default_device, load_model
+from ..loading import HubUnreachableError, default_device, load_model, loaded_attention
 from ..monitor import PAPER_PR_SEQUENCES, Monitor, MonitorConfig
 from ..probes import ProbeSet
 from ..stages import StageTracker
 from .ablation import ablation_key, check_ablation, read_ablation, run_ablation
 from .claims import ClaimConfig, Claims
 from .fetch import FetchConfig, Fetcher
+from .local import is_local
 from .plan import ModelShape, Placement, Plan, device_budgets, make_plan, place, revision_config
 from .progress import _counter, _status
 from .protocol import ProtocolLabel, resolve_protocol
-from .provenance import DuplicateGroup, device_of, provenance, warn_duplicates
+from .provenance import DuplicateGroup, provenance, warn_duplicates
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .source import RevisionSource, revision_source
@@ -84,6 +85,8 @@ def _setup(
     skip_duplicates=False,
 ) -> _Setup:
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
+    if is_local(recipe.model):  # one run, however its path is spelled (run/, ./run, /abs/run): one replay key, one store
+        recipe = dataclasses.replace(recipe, model=str(Path(recipe.model).resolve()))
     names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
     names = [r.name if isinstance(r, Revision) else str(r) for r in names] if names is not None else None
     tps = tokens_per_step or recipe.tokens_per_step
@@ -245,6 +248,8 @@ def replay_plan(
     bandwidth_mb_s: float | None = None,
     tflops: float | None = None,
     skip_duplicates: bool = False,
+    lightning_module: str | None = None,
+    live_store: str | None = None,
 ) -> Plan:
     """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
     is downloaded but file metadata and a config.json, nothing is written."""
@@ -261,10 +266,14 @@ def replay_plan(
         protocol=protocol,
         cache_dir=cache_dir,
         shard=shard,
+        lightning_module=lightning_module,
+        live_store=live_store,
         skip_duplicates=skip_duplicates,
     )
     worker = detect_worker()
-    done = {r["revision"] for r in ReplayStore(out_dir, worker).ok_records(s.key)} if Path(out_dir).is_dir() else set()
+    # done as the loop decides it: by done key (a moved branch, a rewritten checkpoint: to do again)
+    stored = ReplayStore(out_dir, worker).done_keys(s.key) if Path(out_dir).is_dir() else set()
+    done = {r.name for r in s.mine if done_key(s.key, r.name, r.commit) in stored}
     if workers is None:
         workers, source = (
             (worker.count or 1),
@@ -499,6 +508,7 @@ class _Loop:
         model = self._load(rev, path, dtype, placement)
         load_s = time.perf_counter() - t0
         try:
+            default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if self.s.protocol == "paper" and dtype in ("float16", "bfloat16"):
                 # the paper's attention weights came from eager half-precision attention (output_attentions):
                 # every layer's input must come from the same forward for its numbers to carry over
@@ -512,12 +522,11 @@ class _Loop:
                 ),
                 used,
             )
-            record = snap.to_record()
-            record["device"] = device_of(model)
+            record = snap.to_record()  # with the device it ran on (Monitor.probe)
             if self.pr_monitor is not None:
                 _status(self.bar, rev.name, "PR (float16, first 500)")
                 if dtype == "float16":
-                    model.set_attn_implementation("sdpa")  # the paper's PR scripts ran the default attention
+                    model.set_attn_implementation(default)  # the paper's PR scripts ran the model's default attention
                 else:
                     # a cast would also cast buffers from_pretrained keeps in float32: load again, after freeing this one
                     model = None
@@ -614,20 +623,19 @@ class _Loop:
         name = self.s.ablation
         if name is None:
             return
-        key = ablation_key(self.s.key, name)
+        listed = next((r for r in self.s.revisions if r.name == name), None)
+        rev = listed or self.s.source.revision(name)  # outside the trajectory (``main``): the commit its ref pointed at when listed
+        key = ablation_key(self.s.key, name, rev.commit)  # a branch that moved (OLMoE's main) is ablated again
         stored = read_ablation(self.out_dir)
         if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == key:
             return
-        rev = next((r for r in self.s.revisions if r.name == name), None)
-        if rev is not None and name not in {r["revision"] for r in self.store.ok_records(self.s.key)}:
+        if listed is not None and done_key(self.s.key, name, rev.commit) not in self.store.done_keys(self.s.key):
             # the ablation uses that revision's record: whoever writes it runs the ablation after its loop
             if any(r.get("revision") == name and r.get("status") == "failed" for r in self.store.rows()):
                 warnings.warn(
                     f"sinkwatch replay: no ablation: its revision {name} failed; rerun to retry both", RuntimeWarning, stacklevel=2
                 )
             return
-        if rev is None:
-            rev = self.s.source.revision(name)  # outside the trajectory (``main``): the commit its ref pointed at when listed
         item = "ablation-" + done_key(key, name, rev.commit)
         if not self.claims.try_claim(item, {"revision": name, "kind": "ablation"}):
             return  # another worker runs it
@@ -636,7 +644,7 @@ class _Loop:
             kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
             result = run_ablation(
                 self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
-                cache_dir=self.cache_dir, bar=self.bar,
+                cache_dir=self.cache_dir, bar=self.bar, commit=rev.commit,
                 # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
                 load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev)), dt, None),
             )  # fmt: skip

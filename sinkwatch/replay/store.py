@@ -139,8 +139,8 @@ class ReplayStore:
         return self._rows
 
     def ok_records(self, key: dict | None = None) -> list[dict]:
-        """Successful records (made with ``key``, when given), in the order they were read."""
-        return [r for r in self.rows() if _is_ok_record(r) and (key is None or key_of(r) == key)]
+        """Successful records (made with ``key``, when given), in the order they were written (``write_order``)."""
+        return write_order(r for r in self.rows() if _is_ok_record(r) and (key is None or key_of(r) == key))
 
     def done_keys(self, key: dict | None = None) -> set[str]:
         """``done_key`` of every successful record anywhere in the store (made with ``key``, when given)."""
@@ -162,7 +162,16 @@ class ReplayStore:
                 )
 
     def append(self, row: dict) -> None:
+        row.setdefault("written_at", time.time())  # orders records of one revision across workers' files (write_order)
         append_jsonl(self.path, row)
+
+
+def write_order(rows) -> list[dict]:
+    """Rows in the order they were written, over every worker's file: by ``written_at`` (each row's
+    write time), so that of two records of one revision — a moved branch measured again, by another
+    process whose records file sorts before the first one's — the later is the latest. Rows without
+    it (stores written before it) come first, in file order."""
+    return sorted(rows, key=lambda r: r.get("written_at") or 0.0)
 
 
 def record_files(store_dir: str | os.PathLike) -> list[Path]:
@@ -232,19 +241,16 @@ def stage_config_of(records: Sequence[dict]) -> StageConfig:
 
 
 def merged_records(store_dir: str | os.PathLike) -> list[dict]:
-    """All successful records of a store (every worker's file), one per revision (the latest read),
+    """All successful records of a store (every worker's file), one per revision (the latest written),
     in training order, with ``p0_stage``/``induction_state`` derived over that whole sequence with the
     StageConfig the replay used — the same derivation replay applies when it writes each record — per
     run: a parallel run (an OLMo-2 ingredient) over the main run before it, then its own records.
     Revisions flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the
     report lists them: ``provenance.flagged_records``)."""
     d = Path(store_dir)
-    latest: dict[str, dict] = {}
     offsets: dict[Path, int] = {}
-    for path in record_files(d):
-        for r in _read_new_lines(path, offsets):
-            if _is_ok_record(r):
-                latest[r["revision"]] = r
+    rows = [r for path in record_files(d) for r in _read_new_lines(path, offsets) if _is_ok_record(r)]
+    latest = {r["revision"]: r for r in write_order(rows)}
     if not latest:
         # a live run's store: records keyed by step
         rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
@@ -260,8 +266,11 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
-    """revision -> error of revisions that failed and have no successful record anywhere in the store."""
+    """revision -> error of revisions whose latest attempt failed, at a commit with no successful record
+    anywhere in the store: a moved branch whose new weights failed is listed, though its old commit's
+    record is still the one drawn; a failure that a later success (any worker's, any commit) followed is not."""
     offsets: dict[Path, int] = {}
-    rows = [r for path in record_files(store_dir) for r in _read_new_lines(path, offsets)]
-    ok = {r["revision"] for r in rows if _is_ok_record(r)}
-    return {r["revision"]: r.get("error", "") for r in rows if r.get("status") == "failed" and r.get("revision") not in ok}
+    rows = write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets))
+    latest = {r["revision"]: r for r in rows if r.get("revision") is not None and (r.get("status") == "failed" or _is_ok_record(r))}
+    ok = {(r["revision"], r.get("commit")) for r in rows if _is_ok_record(r)}
+    return {name: r.get("error", "") for name, r in latest.items() if r.get("status") == "failed" and (name, r.get("commit")) not in ok}
