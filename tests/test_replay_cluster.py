@@ -181,6 +181,8 @@ def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is
     assert sum("download org/tiny@step100: HfHubHTTPError" in m and "503" in m for m in said) == 2  # each retry says so
     assert any("org/tiny@step200 failed" in m for m in said)
     assert "503" in rows[2]["error"] and "after 3 attempts" in rows[2]["error"]
+    # the failed row says which measurement failed, as the ok ones do
+    assert (rows[2]["replay_key"], rows[2]["dtype"], rows[2]["commit"]) == (rows[0]["replay_key"], rows[0]["dtype"], c["step200"])
     assert len(online.downloads(f"{c['step100']}/model.safetensors")) == 1  # the third try got it
     assert [s for m, p, s in online.log if m == "GET" and p.endswith(f"{c['step200']}/model.safetensors")] == [503, 503, 503]
     online.clear_faults()

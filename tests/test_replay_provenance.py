@@ -192,7 +192,7 @@ def test_a_shared_shard_flags_both_revisions(hub, tmp_path):
     assert [r["revision"] for r in merged_records(tmp_path)] == ["step20"]
 
 
-def test_the_plan_can_flag_duplicates_from_metadata_alone(hub):
+def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
     """What ``--plan`` calls (replay-cluster): listing with commits, fingerprints from the hub's
     metadata, the duplicate groups — no weights downloaded."""
     from sinkwatch.replay import Revision
@@ -208,6 +208,20 @@ def test_the_plan_can_flag_duplicates_from_metadata_alone(hub):
     flags = find_duplicates(revs, fp, aliases=main_ref)
     assert sorted(flags) == ["step150", "step250", "step300"] and {g.duplicate_of for g in flags.values()} == {"main"}
     assert len(hub.downloads()) == before
+    # and `sinkwatch replay --plan` shows them, or drops them with --skip-duplicates
+    from sinkwatch.replay import format_plan
+
+    def weights_fetched() -> int:
+        return sum(p.endswith(".safetensors") for p in hub.downloads())
+
+    weights_before = weights_fetched()
+    plan = replay_plan("org/dup", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS)
+    flagged = {p.rev.name: p.duplicate_of for p in plan.revisions if p.duplicate_of}
+    assert flagged == dict.fromkeys(["step150", "step250", "step300"], "main")
+    assert "step250" in format_plan(plan) and "(duplicate of main)" in format_plan(plan)
+    skipped = replay_plan("org/dup", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS, skip_duplicates=True)
+    assert not {"step150", "step250", "step300"} & {p.rev.name for p in skipped.revisions}
+    assert weights_fetched() == weights_before  # no weights fetched by either plan
 
 
 def test_parallel_runs_are_their_own_series_with_stages_over_stage1_then_their_own(hub, tmp_path):

@@ -218,6 +218,7 @@ class PlannedRevision:
     rev: Revision
     files: list[RemoteFile]  # what would be downloaded
     state: str  # "to do" | "done" (in the store) | "in cache" (no download)
+    duplicate_of: str | None = None  # flagged from the hub's metadata: its weights are another revision's (provenance)
 
     @property
     def bytes(self) -> int:
@@ -296,20 +297,23 @@ def make_plan(
     bandwidth_mb_s: float = DEFAULT_BANDWIDTH_MB_S,
     tflops: float | None = None,
     ablation: str | None = None,
+    duplicates: dict[str, str] | None = None,
 ) -> Plan:
-    """The plan of a replay (see the module doc). ``done``: revision names the store already holds."""
+    """The plan of a replay (see the module doc). ``done``: revision names the store already holds;
+    ``duplicates``: revision -> the revision whose weights it serves (flagged before any download)."""
     fetch = fetch or FetchConfig()
+    duplicates = duplicates or {}
     planned = []
     for rev in revisions:
         if rev.path is not None:
             files = [
                 RemoteFile(str(p.relative_to(rev.path)), p.stat().st_size, None, None) for p in Path(rev.path).rglob("*") if p.is_file()
             ]
-            planned.append(PlannedRevision(rev, files, "done" if rev.name in done else "in cache"))
+            planned.append(PlannedRevision(rev, files, "done" if rev.name in done else "in cache", duplicates.get(rev.name)))
             continue
         files, cached = _files(model, rev, cache_dir, fetch)
         state = "done" if rev.name in done else ("in cache" if cached else "to do")
-        planned.append(PlannedRevision(rev, files, state))
+        planned.append(PlannedRevision(rev, files, state, duplicates.get(rev.name)))
     seq_len = max((getattr(p, "seq_len", None) or 256) for p in probes) if probes else 256
     probe_tokens = sum((getattr(p, "n", None) or 0) * (getattr(p, "seq_len", None) or 0) for p in probes)
     pr_tokens = 0
@@ -379,6 +383,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"  {r.name:<28} {'' if r.step is None else r.step:>9} {'' if r.tokens is None else r.tokens:>14} "
             f"{(r.commit or '')[:8]:<10} {human(p.weights_bytes):>11} {human(p.bytes):>11}  {p.state}"
+            + (f" (duplicate of {p.duplicate_of})" if p.duplicate_of else "")
         )
         for f in p.files:
             lines.append(f"      {f.path}  {f.size} bytes" + (f"  sha256 {f.sha256[:12]}" if f.sha256 else ""))
@@ -388,6 +393,12 @@ def format_plan(plan: Plan) -> str:
         f"to measure: {len(todo)} revision(s), {len(to_download)} to download ({human(sum(p.bytes for p in to_download))}); "
         f"{len(plan.revisions) - len(todo)} done already in the store"
     )
+    flagged = [p.rev.name for p in plan.revisions if p.duplicate_of]
+    if flagged:
+        lines.append(
+            f"duplicated weights: {len(flagged)} revision(s) serve another revision's weight files ({', '.join(flagged)}): measured, "
+            "flagged and left out of the trajectory; --skip-duplicates drops them before download"
+        )
     lines.append(
         f"disk (per worker): peak {human(plan.peak_disk(evict=True))} with eviction (the revision probed + the next downloading"
         + (", + the ablation revision until the ablation ran" if plan.ablation else "")

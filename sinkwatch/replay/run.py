@@ -299,6 +299,7 @@ def replay_plan(
         **({"bandwidth_mb_s": bandwidth_mb_s} if bandwidth_mb_s else {}),
         tflops=tflops,
         ablation=ablation_revision or s.recipe.ablation_revision,
+        duplicates={name: group.duplicate_of for name, group in s.flags.items()},
     )
 
 
@@ -468,7 +469,11 @@ class _Loop:
 
     def _measure(self, job: _Job, path: Path | None) -> dict | None:
         rev, recipe = job.rev, self.s.recipe
-        base = {"model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, **self._about(rev)}
+        # a failed row says which measurement failed, as an ok one does (its replay key and dtype)
+        base = {
+            "model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens,
+            "dtype": self.s.dtype, "replay_key": self.s.key, **self._about(rev),
+        }  # fmt: skip
         row = None
         if job.error is None:
             try:
