@@ -143,7 +143,11 @@ class LocalRun:
         for kind, params in state["probe_params"].items():
             if kind == "natural":
                 if self.natural is None:
-                    raise ValueError(f"{self.root}: the live run probed natural windows, but no checkpoint or live store holds them")
+                    raise ValueError(
+                        f"{self.root}: the live run probed natural windows, but no checkpoint or live store holds them. "
+                        "Point --live-store at the run's sinkwatch out_dir (its probes.json holds them), or give the probes "
+                        "yourself: --probe induction,repeated,natural --text FILE"
+                    )
                 sets.append(self.natural)
             elif kind == "induction":
                 sets.append(
