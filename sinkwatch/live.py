@@ -40,7 +40,7 @@ from .monitor import Monitor, MonitorConfig
 from .probes import MIN_INDUCTION_SEQ_LEN, InductionProbe, ProbeSet, RepeatedRandomProbe, make_natural_probe
 from .reporting.base import MultiReporter, Reporter
 from .reporting.console import ConsoleReporter
-from .reporting.jsonl import PROBES_FILE, JSONLReporter
+from .reporting.jsonl import JSONLReporter
 from .reporting.wandb_run import WANDB_MODES
 from .stages import StageConfig
 
@@ -553,9 +553,6 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
-
-
-LIVE_PROBES_FILE = PROBES_FILE
 
 
 def live_probes(state: dict) -> dict:

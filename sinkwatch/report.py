@@ -19,7 +19,8 @@ import numpy as np
 from . import findings as F
 from .records import best_induction_score, n_sink_heads, softmax_heads
 from .replay import failed_revisions, merged_records, read_ablation
-from .replay.provenance import flagged_records, moved_branches, stored_records
+from .replay.provenance import flagged_records, moved_branches
+from .replay.store import stored_records
 from .reporting.figures import _plt, record_heatmaps, save
 from .reporting.jsonl import read_jsonl
 from .stages import INDUCTION_STATES, P0_STAGES

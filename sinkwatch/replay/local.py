@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from ..live import LIVE_PROBES_FILE  # in a live store: the callback's probe sets and natural windows
 from ..probes import ProbeSet, make_induction_probe, make_repeated_random_probe
+from ..reporting.jsonl import PROBES_FILE  # in a live store: the callback's probe sets and natural windows
 from .hub import is_weight_file
 from .provenance import Weights, weights_of_files
 from .revisions import SCHEMES, Revision, training_order
@@ -254,9 +254,9 @@ def local_run(
         run.weights[p.name] = weights
         run.revisions.append(Revision(p.name, step=step, tokens=tokens, commit=weights.fingerprint, path=str(p)))
     if live_store is not None:
-        f = Path(live_store) / LIVE_PROBES_FILE
+        f = Path(live_store) / PROBES_FILE
         if not f.is_file():
-            raise FileNotFoundError(f"no {LIVE_PROBES_FILE} in the live store {live_store} (the callback writes it at its first probe)")
+            raise FileNotFoundError(f"no {PROBES_FILE} in the live store {live_store} (the callback writes it at its first probe)")
         state = json.loads(f.read_text())
         run.live_state = run.live_state or state
         nat = _natural_of(state)

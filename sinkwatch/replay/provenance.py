@@ -233,20 +233,6 @@ def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | N
 
 
 # ---- reading a store back ----------------------------------------------------------------------------
-def stored_records(store_dir: str | os.PathLike) -> list[dict]:
-    """Every successful record of every records*.jsonl of a store (not ``*.superseded*``), in the order
-    they were written (``store.write_order``: across workers' files, not by file name)."""
-    from ..reporting.jsonl import read_jsonl
-    from .store import write_order
-
-    out = []
-    for path in sorted(Path(store_dir).glob("records*.jsonl")):
-        if ".superseded" in path.name:
-            continue
-        out += [r for r in read_jsonl(path) if r.get("status", "ok") == "ok" and r.get("revision") is not None and "n_layers" in r]
-    return write_order(out)
-
-
 def moved_branches(records: Sequence[dict]) -> dict[str, list[str]]:
     """revision -> the commits its records were measured at, in the order written, for revisions
     measured at more than one commit (a branch that moved: the latest record is the one drawn)."""

@@ -174,6 +174,13 @@ def write_order(rows) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("written_at") or 0.0)
 
 
+def stored_records(store_dir: str | os.PathLike) -> list[dict]:
+    """Every successful record of a store, from every worker's file, in the order they were written
+    (``write_order``); reads only."""
+    offsets: dict[Path, int] = {}
+    return write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets) if _is_ok_record(r))
+
+
 def record_files(store_dir: str | os.PathLike) -> list[Path]:
     """The store's records files: ``records*.jsonl``, except files set aside as ``*.superseded*``."""
     return [p for p in sorted(Path(store_dir).glob("records*.jsonl")) if ".superseded" not in p.name]
@@ -248,9 +255,7 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
     Revisions flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the
     report lists them: ``provenance.flagged_records``)."""
     d = Path(store_dir)
-    offsets: dict[Path, int] = {}
-    rows = [r for path in record_files(d) for r in _read_new_lines(path, offsets) if _is_ok_record(r)]
-    latest = {r["revision"]: r for r in write_order(rows)}
+    latest = {r["revision"]: r for r in stored_records(d)}
     if not latest:
         # a live run's store: records keyed by step
         rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
