@@ -241,14 +241,17 @@ class _Handler(BaseHTTPRequestHandler):
         if hub.on_request is not None:
             hub.on_request(method, unquote(path))
         fault = hub._take_fault(method, unquote(path))
-        self._status: int | None = None
+        self._logged = False
         try:
             self._dispatch(method, path, split.query, fault)
         finally:
-            hub.log.append((method, unquote(path), self._status))
+            if not self._logged:  # a dropped connection: no status line
+                hub.log.append((method, unquote(path), None))
 
     def send_response(self, code, message=None) -> None:
-        self._status = code
+        # logged before the answer leaves: a client that has its answer always finds the request in the log
+        self.server_hub.log.append((self.command, unquote(urlsplit(self.path).path), code))
+        self._logged = True
         super().send_response(code, message)
 
     def _dispatch(self, method: str, path: str, query: str, fault: _Fault | None) -> None:

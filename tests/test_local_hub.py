@@ -61,3 +61,11 @@ def test_remote_files_reads_sizes_and_hashes_without_downloading(hub):
     assert files["model.safetensors"].sha256 == hashlib.sha256(WEIGHTS).hexdigest() and files["model.safetensors"].is_weights
     assert files["model.safetensors"].size == len(WEIGHTS) and files["config.json"].sha256 is None and not files["config.json"].is_weights
     assert hub.downloads() == []
+    # a commit never changes: listing, plan and download read its metadata with one request; a branch is asked each time
+    commit = hub.commit_of("org/tiny", "step100")
+    asked = [p for m, p, s in hub.log if p.startswith("/api/models/org/tiny/revision/")]
+    assert remote_files("org/tiny", commit) == list(files.values())
+    for _ in range(2):
+        remote_files("org/tiny", "step100")
+    after = [p for m, p, s in hub.log if p.startswith("/api/models/org/tiny/revision/")]
+    assert after[len(asked) :] == ["/api/models/org/tiny/revision/step100"] * 2

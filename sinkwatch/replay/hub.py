@@ -32,13 +32,26 @@ class RemoteFile:
         return is_weight_file(self.path)
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# (endpoint, model, commit) -> its files: a commit never changes, so the fingerprint taken when the
+# revisions are listed, the plan and the download all read its metadata with one request
+_BY_COMMIT: dict[tuple[str, str, str], tuple[RemoteFile, ...]] = {}
+
+
 def remote_files(model: str, revision: str) -> list[RemoteFile]:
     """Every file of ``model`` at ``revision`` (best a commit id) with its size and hashes, from the
-    hub's file metadata (``model_info(files_metadata=True)``): one request, no download."""
-    from huggingface_hub import HfApi
+    hub's file metadata (``model_info(files_metadata=True)``): one request, no download; one per commit
+    per process (a branch name is asked each time: it may move)."""
+    from huggingface_hub import HfApi, constants
 
+    key = (constants.ENDPOINT, model, revision)
+    if key in _BY_COMMIT:
+        return list(_BY_COMMIT[key])
     info = HfApi().model_info(model, revision=revision, files_metadata=True)
-    return [
+    files = [
         RemoteFile(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
         for s in sorted(info.siblings or [], key=lambda s: s.rfilename)
     ]
+    if _COMMIT.fullmatch(revision):
+        _BY_COMMIT[key] = tuple(files)
+    return files
