@@ -341,8 +341,3 @@ def check_hub(model: str) -> None:
     except Exception as exc:  # noqa: BLE001
         if _is_network_error(exc):
             raise HubUnreachableError(_offline_advice(model)) from exc
-
-
-def describe_schemes() -> str:
-    """The naming schemes, for error messages and docs."""
-    return "; ".join(name for name, _ in SCHEMES)
