@@ -388,15 +388,15 @@ class _GuardedTarget(ProbeTarget):
         try:
             with self.inner.capture(held) as forward:
 
-                def agreed_forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+                def agreed_forward(input_ids: torch.Tensor, **kw):
                     if not self.group.agree(FORWARD, self.token):
                         raise PeerFailed("another rank stopped this probe")
                     with self.group.collective(self.step, "a probe forward"):
-                        logits = forward(input_ids, all_logits=all_logits)
+                        out = forward(input_ids, **kw)
                     if held.fault is not None:
                         raise held.fault
                     fault_point("between", self.step)
-                    return logits
+                    return out
 
                 yield agreed_forward
         finally:

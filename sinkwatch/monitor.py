@@ -18,6 +18,7 @@ from torch import nn
 
 from . import metrics
 from .capture import ProbeTarget, resolve_target, untouched
+from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
@@ -196,15 +197,15 @@ class Monitor:
         device = target.device
         runs: list[_ProbeRun] = [_SinkRun(probe, L, self.config)] if with_sinks else []
         runs.append(PROBE_RUNS[probe.kind](probe, L, self.config))
-        all_logits = any(run.all_logits for run in runs)
+        token_losses = any(run.token_losses for run in runs)
         collector = ProbeCollector([part for run in runs for part in run.parts])
         with target.capture(collector) as forward:
             for batch in self._batches(probe):
                 collector.batch = batch
                 ids = probe.tokens[batch].to(device)
-                logits = forward(ids, all_logits=all_logits)
+                out = forward(ids, token_losses=token_losses)  # last-position logits (+ every position's loss)
                 for run in runs:
-                    run.observe(ids, logits)
+                    run.observe(ids, out)
         n_heads = None
         # blocks that ran softmax attention; the others (Mamba, linear attention) are NaN rows in
         # every attention-derived array, and counts and fractions are over these blocks' heads only
@@ -277,7 +278,7 @@ class Monitor:
         with target.capture(collector) as forward:
             for batch in self._batches(probe):
                 collector.batch = batch
-                out.append(forward(probe.tokens[batch].to(device))[:, -1].float().cpu())
+                out.append(forward(probe.tokens[batch].to(device)).logits[:, -1].float().cpu())
         return torch.cat(out)
 
     def _n_query_heads(self, target: ProbeTarget, probe: ProbeSet) -> tuple[int, list[int]]:
@@ -292,15 +293,16 @@ class Monitor:
 # ---- one entry per probe kind: the parts it adds to the capture and the values it computes --------
 class _ProbeRun:
     """One probe set's share of ``Monitor._run``: ``parts`` ride the captured forward, ``observe``
-    sees each micro-batch's ids and logits, ``values`` returns (record values, n_heads or None)."""
+    sees each micro-batch's ids and ``ProbeForward`` (last-position logits, per-token losses when
+    asked), ``values`` returns (record values, n_heads or None)."""
 
-    all_logits = False  # whether the forward must return logits at every position, not only the last
+    token_losses = False  # whether the forward must return every position's next-token loss
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         self.probe, self.config = probe, config
         self.parts: list = []
 
-    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
         pass
 
     def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
@@ -349,8 +351,8 @@ class _InductionRun(_ProbeRun):
         self.parts = [self.rowcols] + ([self.heads] if self.heads is not None else [])
         self.last_logits: list[torch.Tensor] = []
 
-    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
-        self.last_logits.append(logits[:, -1].float().cpu())
+    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
+        self.last_logits.append(out.logits[:, -1].float().cpu())
 
     def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
         probe, cfg = self.probe, self.config
@@ -378,7 +380,9 @@ class _InductionRun(_ProbeRun):
 class _RepeatedRun(_ProbeRun):
     """Prefix-matching induction score and the ICL score (second-copy minus first-copy loss)."""
 
-    all_logits = True  # the copy losses need every position
+    # the copy losses need every position's loss: taken from the final hidden states through the
+    # output head in row chunks (capture/head.py), never from all-position logits (SPEC §9)
+    token_losses = True
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
@@ -388,9 +392,8 @@ class _RepeatedRun(_ProbeRun):
         self.copy_first: list[np.ndarray] = []
         self.copy_second: list[np.ndarray] = []
 
-    def observe(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        a, b = metrics.copy_losses(loss, self.probe.params["half_len"])
+    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
+        a, b = metrics.copy_losses(out.token_losses, self.probe.params["half_len"])  # (B, S-1) -> per-copy means
         self.copy_first.append(a.cpu().numpy())
         self.copy_second.append(b.cpu().numpy())
 

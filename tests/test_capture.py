@@ -24,7 +24,7 @@ def test_outputs_unchanged_under_capture(family, previous):
         collector = ProbeCollector([SinkPart(L), P0Part(L), HeadOutputPart(L, row=torch.full((3,), 49).numpy())])
         collector.batch = slice(0, 3)
         with HFTarget(model).capture(collector) as forward:
-            probed = forward(ids, all_logits=True)
+            probed = forward(ids, all_logits=True).logits
     assert torch.equal(plain, probed)
     assert model.config._attn_implementation == previous
     assert len(collector.parts[0].chunks[L - 1]) == 1  # every layer was seen

@@ -170,7 +170,7 @@ def test_sliding_window_and_gqa_reach_the_statistics():
 
     target = OLMoCoreTarget(model)
     with torch.no_grad(), target.capture(Spy()) as forward:
-        logits = forward(torch.randint(0, 64, (2, 40)), all_logits=True)
+        logits = forward(torch.randint(0, 64, (2, 40)), all_logits=True).logits
     assert logits.shape == (2, 40, 64)
     assert seen[0] == ((2, 4, 40, 8), (2, 2, 40, 8), WINDOW, 8**-0.5)
     assert seen[1][2] is None

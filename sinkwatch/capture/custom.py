@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .head import ProbeForward, losses_from_logits
 from .session import CaptureSession, Collector, active_session, capturing
 from .target import ProbeTarget
 
@@ -83,12 +84,14 @@ class CustomTarget(ProbeTarget):
     def capture(self, collector: Collector):
         session = CaptureSession(collector, self._blocks, self.name)
 
-        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        def forward(input_ids: torch.Tensor, all_logits: bool = False, token_losses: bool = False) -> ProbeForward:
             session.begin()
             out = self._forward(input_ids)
             session.end()
-            logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
-            return logits if all_logits else logits[:, -1:]
+            logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out  # (B, S, V)
+            # a custom forward returns every position's logits: its own memory; the losses add one chunk to it
+            losses = losses_from_logits(logits, input_ids) if token_losses else None
+            return ProbeForward(logits if all_logits else logits[:, -1:], losses)
 
         with capturing(session):
             yield forward

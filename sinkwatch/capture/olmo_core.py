@@ -30,6 +30,7 @@ import sys
 import torch
 from torch import nn
 
+from .head import HeadTap, ProbeForward, captured_forward
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
 
@@ -112,16 +113,31 @@ class OLMoCoreTarget(ProbeTarget):
     def context(self) -> int | None:
         return None  # RoPE has no maximum length; the probe lengths are the user's choice
 
+    def head_tap(self) -> HeadTap | None:
+        """OLMo-core's ``LMHead`` normalises, keeps the last position, then applies ``w_out``: the
+        final hidden states are the norm's output (the head's input without a norm)."""
+        head = getattr(self.model, "lm_head", None)
+        w_out = getattr(head, "w_out", None)
+        if not isinstance(w_out, nn.Module):
+            return None
+        norm = getattr(head, "norm", None)
+        if isinstance(norm, nn.Module):
+            return HeadTap(norm, w_out, lambda logits: logits)
+        return HeadTap(head, w_out, lambda logits: logits, from_input=True)
+
     @contextlib.contextmanager
     def capture(self, collector: Collector):
         session = CaptureSession(collector, self._blocks, self.name)
         handles = []
+        tap = self.head_tap()
 
-        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-            session.begin()
-            logits = self.model(input_ids, logits_to_keep=0 if all_logits else 1)  # (B, S or 1, V)
-            session.end()
-            return logits
+        def run(input_ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+            return self.model(input_ids, logits_to_keep=0 if all_logits else 1)  # (B, S or 1, V)
+
+        def forward(input_ids: torch.Tensor, all_logits: bool = False, token_losses: bool = False) -> ProbeForward:
+            return captured_forward(
+                session, tap, run, input_ids, all_logits=all_logits, token_losses=token_losses, vocab_size=self.vocab_size, name=self.name
+            )
 
         try:
             with capturing(session):

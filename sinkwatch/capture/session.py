@@ -83,6 +83,16 @@ class CaptureSession:
     _kinds: set = field(default_factory=set)  # classes of the modules that called attention
     _pending: dict = field(default_factory=dict)  # id(output projection) -> (layer, attention output)
     _projections: dict = field(default_factory=dict)  # id(output projection) -> hook handle
+    _muted: bool = False  # extra forwards (losses of a head sinkwatch cannot reproduce) are not measured
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """Forwards inside this context reach no collector: attention delegates, block hooks pass."""
+        was, self._muted = self._muted, True
+        try:
+            yield
+        finally:
+            self._muted = was
 
     @property
     def n_layers(self) -> int:
@@ -140,6 +150,8 @@ class CaptureSession:
         """Statistics from query/key (and learned sink logits), then ``delegate()`` -> (B, S, Hq, Dv),
         returned possibly ablated. ``output_projection``: the module the model hands the (gated)
         head outputs to next, so that what each head writes is read there."""
+        if self._muted:
+            return delegate()
         layer = self._block
         if layer is None:
             raise UnsupportedModelError(
@@ -206,12 +218,15 @@ class CaptureSession:
 
     def _enter(self, i: int):
         def hook(_module, _args):
-            self._block = i
+            if not self._muted:
+                self._block = i
 
         return hook
 
     def _leave(self, i: int):
         def hook(_module, _args, output):
+            if self._muted:
+                return
             self._flush(i)
             self._block = None
             hidden = output[0] if isinstance(output, (tuple, list)) else output

@@ -46,6 +46,11 @@ class ProbeTarget:
 
     @contextlib.contextmanager
     def capture(self, collector: Collector) -> Iterator[Callable[..., torch.Tensor]]:
-        """Yield ``forward(input_ids, all_logits: bool) -> logits (B, S or 1, V)`` with capture on."""
+        """Yield ``forward(input_ids, all_logits=False, token_losses=False) -> ProbeForward`` with capture on.
+
+        ``ProbeForward.logits``: (B, 1, V), the last position (every position's with ``all_logits``);
+        ``ProbeForward.token_losses``: (B, S-1) float32 next-token losses when asked, taken from the
+        final hidden states through the output head in row chunks (``capture/head.py``), so the
+        probe's memory does not grow with the vocabulary."""
         raise NotImplementedError
         yield

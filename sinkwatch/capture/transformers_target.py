@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .head import HeadTap, ProbeForward, captured_forward, hf_logit_post
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
 
@@ -212,6 +213,15 @@ class HFTarget(ProbeTarget):
         n = getattr(self.model.config, "max_position_embeddings", None)
         return n if isinstance(n, int) and n > 0 else None  # OLMo-core's HF converter writes -1: unknown
 
+    def head_tap(self) -> HeadTap | None:
+        """The hooks that take the per-token losses from the final hidden states (``capture/head.py``):
+        the base model's output feeds ``get_output_embeddings()``; None when the model has neither."""
+        head = self.model.get_output_embeddings()
+        base = getattr(self.model, "base_model", None)
+        if not isinstance(head, nn.Module) or not isinstance(base, nn.Module) or base is self.model or not self._keeps_logits:
+            return None
+        return HeadTap(base, head, hf_logit_post(self.model))
+
     @contextlib.contextmanager
     def capture(self, collector: Collector):
         register_attention()
@@ -219,15 +229,18 @@ class HFTarget(ProbeTarget):
         previous = model.config._attn_implementation
         impl = delegate_impl(model, previous)
         session = CaptureSession(collector, self._blocks, type(model).__name__)
+        tap = self.head_tap()
 
-        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        def run(input_ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
             kw = {"use_cache": False}
             if not all_logits and self._keeps_logits:
                 kw["logits_to_keep"] = 1
-            session.begin()
-            out = self.model(input_ids=input_ids, **kw)
-            session.end()
-            return out.logits
+            return self.model(input_ids=input_ids, **kw).logits
+
+        def forward(input_ids: torch.Tensor, all_logits: bool = False, token_losses: bool = False) -> ProbeForward:
+            return captured_forward(
+                session, tap, run, input_ids, all_logits=all_logits, token_losses=token_losses, vocab_size=self.vocab_size, name=self.name
+            )
 
         try:
             with capturing(session):
