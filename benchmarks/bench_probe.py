@@ -1,7 +1,8 @@
 """Cost of a sinkwatch probe pass vs a plain forward vs eager attention with weights (SPEC §9, CPU).
 
-Each measurement runs in its own process on a Pythia-160m-shaped random GPT-NeoX (12 layers,
-12 heads, d=768, vocab 50304): peak memory is the resident-set high-water mark above the loaded
+Each measurement runs in its own process on a random model of a real shape — Pythia-160m (GPT-NeoX,
+12 layers, 12 heads, d=768, vocab 50304) or SmolLM2-135M (Llama, 30 layers, d=576, GQA 9/3 heads,
+vocab 49152), ``--shape`` picks; both by default, side by side: peak memory is the resident-set high-water mark above the loaded
 model (Linux: VmHWM reset through /proc/self/clear_refs), time the median of ``--repeat`` runs.
 
     (a)  plain     model(ids) with sdpa, full logits (what a training step's forward does)
@@ -9,7 +10,7 @@ model (Linux: VmHWM reset through /proc/self/clear_refs), time the median of ``-
     (b)  probe     Monitor([NaturalProbe(...)]).probe(model): sink stats on every row + P0 norms
     (c)  eager     model(ids, output_attentions=True) with eager attention (what other tools do)
 
-Usage: python benchmarks/bench_probe.py [--seq 512 1024 2048] [--batch 1] [--csv out.csv]
+Usage: python benchmarks/bench_probe.py [--shape pythia-160m smollm2-135m] [--seq 512 1024 2048] [--batch 1] [--csv out.csv]
 """
 
 from __future__ import annotations
@@ -41,7 +42,22 @@ def pythia_160m_shaped(seq: int):
     return GPTNeoXForCausalLM(cfg).eval()
 
 
-def worker(mode: str, seq: int, batch: int, repeat: int, threads: int) -> dict:
+def smollm2_135m_shaped(seq: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, max_position_embeddings=max(8192, seq), tie_word_embeddings=True, rope_theta=100000.0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+SHAPES = {"pythia-160m": (pythia_160m_shaped, 50304), "smollm2-135m": (smollm2_135m_shaped, 49152)}
+
+
+def worker(mode: str, seq: int, batch: int, repeat: int, threads: int, shape: str = "pythia-160m") -> dict:
     import gc
 
     import torch
@@ -49,12 +65,13 @@ def worker(mode: str, seq: int, batch: int, repeat: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     import sinkwatch as sw
 
-    model = pythia_160m_shaped(seq)
+    build, vocab = SHAPES[shape]
+    model = build(seq)
     ids = torch.randint(100, 10000, (batch, seq), generator=torch.Generator().manual_seed(1))
     if mode == "eager":
         model.set_attn_implementation("eager")
     monitor = sw.Monitor([sw.NaturalProbe(tokens=ids, n=batch, seq_len=seq)], config=sw.MonitorConfig(batch_tokens=batch * seq))
-    monitor.probe_sets(50304)  # build the (fixed) probe set outside the timed region
+    monitor.probe_sets(vocab)  # build the (fixed) probe set outside the timed region
 
     def run():
         with torch.no_grad():
@@ -81,22 +98,31 @@ def worker(mode: str, seq: int, batch: int, repeat: int, threads: int) -> dict:
         out = run()
         times.append(time.perf_counter() - t0)
         del out
-    return {"mode": mode, "seq": seq, "batch": batch, "time_s": statistics.median(times), "peak_mib": peak, "threads": threads}
+    return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "time_s": statistics.median(times), "peak_mib": peak,
+            "threads": threads}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["pythia-160m", "smollm2-135m"])
     ap.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--csv", default="benchmarks/results/bench_probe.csv")
-    ap.add_argument("--worker", nargs=2, metavar=("MODE", "SEQ"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=3, metavar=("MODE", "SEQ", "SHAPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.batch, args.repeat, args.threads)))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.batch, args.repeat, args.threads, args.worker[2])))
         return
 
+    table = []
+    for shape in args.shape:
+        table += measure_shape(shape, args)
+    print(f"\nCSV: {write_csv(table, args.csv)}")
+
+
+def measure_shape(shape: str, args) -> list[dict]:
     rows = []
     for seq in args.seq:
         for mode in MODES:
@@ -106,6 +132,7 @@ def main() -> None:
                 "--worker",
                 mode,
                 str(seq),
+                shape,
                 "--batch",
                 str(args.batch),
                 "--repeat",
@@ -115,9 +142,9 @@ def main() -> None:
             ]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-            print(f"  measured {mode:6s} S={seq}: {rows[-1]['time_s']:.3f} s, {rows[-1]['peak_mib']:.0f} MiB", file=sys.stderr)
+            print(f"  measured {shape} {mode:6s} S={seq}: {rows[-1]['time_s']:.3f} s, {rows[-1]['peak_mib']:.0f} MiB", file=sys.stderr)
 
-    print(f"\nPythia-160m-shaped model, batch {args.batch}, {args.threads} threads; memory = peak RSS above the loaded model\n")
+    print(f"\n{shape}-shaped model, batch {args.batch}, {args.threads} threads; memory = peak RSS above the loaded model\n")
     head = (
         f"{'S':>5} | {'plain s':>8} {'probe s':>8} {'eager s':>8} | "
         f"{'plain MiB':>9} {'hidden MiB':>10} {'probe MiB':>9} {'eager MiB':>9} | "
@@ -129,6 +156,7 @@ def main() -> None:
     for seq in args.seq:
         r = {row["mode"]: row for row in rows if row["seq"] == seq}
         line = {
+            "shape": shape,
             "seq": seq,
             "plain_s": r["plain"]["time_s"],
             "hidden_s": r["hidden"]["time_s"],
@@ -150,7 +178,7 @@ def main() -> None:
             f"{line['probe_over_plain_time']:13.2f} {line['probe_over_plain_mem']:15.2f} "
             f"{line['probe_over_hidden_mem']:16.2f} {line['eager_over_probe_mem']:15.1f}"
         )
-    print(f"\nCSV: {write_csv(table, args.csv)}")
+    return table
 
 
 if __name__ == "__main__":

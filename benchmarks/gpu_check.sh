@@ -51,6 +51,9 @@ else
   echo "GPU tests failed: benchmark skipped" | tee -a "$OUT/gpu_tests.txt"
 fi
 
+# 2b. a real model's shape (issue 24): SmolLM2-135M-shaped, random init, bf16; Triton vs the PyTorch path vs eager
+stage gpu_real_shape.txt 60 python3 benchmarks/gpu_real_shape.py --out "$OUT/gpu_real_shape.json"
+
 # 3. Triton faults on CUDA (issue 18 item 9): an out-of-memory keeps the kernel, a fault at the first
 #    launch's sync falls back once, and a real asynchronous fault (an out-of-bounds read in a launch
 #    that does not autotune) is attributed to the kernel at that sync, in a child process

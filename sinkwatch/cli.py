@@ -38,6 +38,12 @@ def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None
         help="token-id range [LO, HI) of the induction/repeated probes (default [100, 10000) fitted to the vocabulary)",
     )
     p.add_argument("--text", type=str, default=None, help="UTF-8 text file for the natural probe (tokenized with the model's tokenizer)")
+    p.add_argument(
+        "--bos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="natural windows start with the tokenizer's BOS (--bos) or not (--no-bos); default: the tokenizer's own convention",
+    )
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per probe forward (lower it to save memory)")
@@ -58,17 +64,21 @@ def probe_recipes(args, tokenizer_source: str | None):
         else:
             if not args.text:
                 raise ValueError("the natural probe needs --text FILE (a UTF-8 text file tokenized with the model's tokenizer)")
-            recipes.append(NaturalProbe(text_file=args.text, tokenizer=tokenizer_source, **kw))
+            recipes.append(NaturalProbe(text_file=args.text, tokenizer=tokenizer_source, bos=getattr(args, "bos", None), **kw))
     return recipes
 
 
 def cmd_probe(args) -> int:
+    from .gguf import dense_from_gguf, is_gguf
     from .loading import load_model
     from .monitor import Monitor, MonitorConfig
     from .reporting.console import summary
 
-    model = load_model(args.model, revision=args.revision, dtype=args.dtype, device=args.device)
-    monitor = Monitor(probe_recipes(args, args.model), config=MonitorConfig(batch_tokens=args.batch_tokens))
+    source = args.model
+    if is_gguf(source):  # a real model shipped as GGUF: dequantised once into a cached save_pretrained folder
+        source = str(dense_from_gguf(source))
+    model = load_model(source, revision=args.revision, dtype=args.dtype, device=args.device)
+    monitor = Monitor(probe_recipes(args, source), config=MonitorConfig(batch_tokens=args.batch_tokens))
     snap = monitor.probe(model, revision=args.revision, model_name=args.model, track=False)
     record = snap.to_record()
     # one probe, no history: the tracker's state is the stage rules applied to this probe alone (SPEC §10)
@@ -104,7 +114,9 @@ def cmd_replay(args) -> int:
     else:  # a hub id or a local folder of checkpoints: the options given are its measurement
         recipe = Recipe(model=args.target, name=Path(args.target.rstrip("/")).name)
     # the recipe's probes with any probe option laid over them (None: the recipe's own)
-    probes = probes_with_options(recipe, args.probe, n=args.n, seq_len=args.seq_len, vocab_range=args.vocab_range, text=args.text)
+    probes = probes_with_options(
+        recipe, args.probe, n=args.n, seq_len=args.seq_len, vocab_range=args.vocab_range, text=args.text, bos=args.bos
+    )
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
     out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
     fetch = FetchConfig(retries=args.retries, prefetch=not args.no_prefetch, keep_cache=args.keep_cache)
@@ -195,7 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("probe", help="probe one model once and print/write its record")
-    p.add_argument("model", help="hub id (e.g. EleutherAI/pythia-160m) or a local directory written by save_pretrained")
+    p.add_argument(
+        "model",
+        help="hub id (e.g. EleutherAI/pythia-160m), a save_pretrained directory, or a .gguf file (dequantised once, cached)",
+    )
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit), e.g. step3000")
     add_probe_arguments(p)
     p.add_argument("--out", default=None, help="write the record (JSON) here")

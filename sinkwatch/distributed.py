@@ -405,23 +405,16 @@ class _GuardedTarget(ProbeTarget):
 
 
 def check_probe_memory(target: ProbeTarget, sets, batch_tokens: int, step: int) -> None:
-    """The pre-probe check of this rank: on a CUDA device, free memory for at least the largest probe
-    micro-batch's logits (float32, twice: the logits and a float copy), else ``ProbeNotReady``; also
-    the "memory" test fault point. A lower bound, not a prediction: it catches a nearly full device."""
+    """The pre-probe check of this rank: on a CUDA device, the memory the probe's largest micro-batch
+    allocates (``probe_memory.estimate``) against free memory plus the caching allocator's unused
+    reserve, else ``ProbeNotReady`` naming a ``batch_tokens`` that fits; also the "memory" test
+    fault point."""
     fault_point("memory", step)
     device = target.device
     if device.type != "cuda":
         return
-    from .monitor import PROBE_RUNS
+    from .probe_memory import available_bytes, memory_verdict
 
-    need = 0
-    for s in sets:
-        rows = min(s.n, max(1, batch_tokens // s.seq_len))
-        positions = s.seq_len if PROBE_RUNS[s.kind].all_logits else 1
-        need = max(need, rows * positions * target.vocab_size * 4 * 2)
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < need:
-        raise ProbeNotReady(
-            f"{free / 2**30:.2f} GiB free on {device}, the probe's largest micro-batch needs at least {need / 2**30:.2f} GiB; "
-            "lower MonitorConfig(batch_tokens=...) (tokens per probe forward)"
-        )
+    verdict = memory_verdict(target, sets, batch_tokens, available_bytes(device))
+    if verdict is not None:
+        raise ProbeNotReady(verdict)

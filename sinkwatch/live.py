@@ -150,8 +150,28 @@ def attention_mask_of(batch, ids: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def bos_of_batch(ids: torch.Tensor, bos_token_id: int | None, *, attention_mask: torch.Tensor | None = None) -> int | None:
+    """``bos_token_id`` when every row of a (B, T) batch starts with it (after any left padding): a
+    run trained with a BOS at every sequence start; else None."""
+    if bos_token_id is None or ids is None or ids.dim() != 2 or ids.shape[1] < 1:
+        return None
+    ids = ids.detach().to("cpu", torch.int64)
+    if attention_mask is not None:
+        first = (attention_mask.detach().to("cpu") != 0).int().argmax(dim=1)  # the first real token of each row
+        starts = ids.gather(1, first[:, None])[:, 0]
+    else:
+        starts = ids[:, 0]
+    return int(bos_token_id) if bool((starts == int(bos_token_id)).all()) else None
+
+
 def natural_windows(
-    ids: torch.Tensor, seq_len: int, n: int, *, attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None
+    ids: torch.Tensor,
+    seq_len: int,
+    n: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
 ) -> torch.Tensor:
     """Up to ``n`` windows (m, seq_len) of real tokens from a (B, T) training batch, spread over its rows.
 
@@ -159,6 +179,9 @@ def natural_windows(
     trailing run of ``pad_token_id``, i.e. left or right padding) are cut into consecutive
     non-overlapping windows; windows are then taken round-robin, row 0's first, row 1's first, ...,
     row 0's second, ..., so a (8, 2048) batch gives 32 windows from all 8 rows, not 32 from row 0.
+    With ``bos_token_id`` (a run whose rows start with that BOS: ``bos_of_batch``) every window is
+    the BOS followed by ``seq_len - 1`` tokens of its row after the row's own BOS, so a window cut
+    mid-row starts the way the model saw every sequence start in training.
     """
     ids = ids.detach().to("cpu", torch.int64)  # (B, T)
     keep = torch.ones_like(ids, dtype=torch.bool)
@@ -170,10 +193,16 @@ def natural_windows(
         # a position is padding when every token before it, or every token after it, is padding
         keep = (real.cumsum(1) > 0) & (real.flip(1).cumsum(1).flip(1) > 0)
     per_row = []
+    body = seq_len - (bos_token_id is not None)
     for row, ok in zip(ids, keep):
         tokens = row[ok]
-        m = tokens.numel() // seq_len
-        per_row.append(tokens[: m * seq_len].view(m, seq_len))
+        if bos_token_id is not None:
+            tokens = tokens[1:] if tokens.numel() and int(tokens[0]) == int(bos_token_id) else tokens
+        m = tokens.numel() // body if body > 0 else 0
+        windows = tokens[: m * body].view(m, body)
+        if bos_token_id is not None:
+            windows = torch.cat([torch.full((m, 1), int(bos_token_id), dtype=torch.int64), windows], dim=1)
+        per_row.append(windows)
     picked = []
     for j in range(max((w.shape[0] for w in per_row), default=0)):
         for w in per_row:
@@ -352,16 +381,22 @@ class LiveMonitor:
         """The (m, T) natural windows of a first training batch, or None (one warning) when it is too short."""
         cfg = self.config
         T = min(cfg.natural_seq_len, ids.shape[1], self.target.context or ids.shape[1])
-        pad_id = getattr(getattr(self.target.module, "config", None), "pad_token_id", None) if attention_mask is None else None
-        windows = natural_windows(ids, T, cfg.natural_n, attention_mask=attention_mask, pad_token_id=pad_id)
+        model_config = getattr(self.target.module, "config", None)
+        pad_id = getattr(model_config, "pad_token_id", None) if attention_mask is None else None
+        # a run whose rows all start with the model's BOS: every window starts with it too (SPEC §3)
+        bos = bos_of_batch(ids, getattr(model_config, "bos_token_id", None), attention_mask=attention_mask)
+        windows = natural_windows(ids, T, cfg.natural_n, attention_mask=attention_mask, pad_token_id=pad_id, bos_token_id=bos)
         if windows.shape[0] < 1:
             self._warn("natural", "sinkwatch: the first training batch is too short for natural windows; natural probe skipped")
             return None
         return windows
 
-    @staticmethod
-    def _natural_probe(windows: torch.Tensor) -> ProbeSet:
-        return make_natural_probe(windows, n=windows.shape[0], seq_len=windows.shape[1], source="first training batch")
+    def _natural_probe(self, windows: torch.Tensor) -> ProbeSet:
+        n, T = windows.shape
+        bos = getattr(getattr(self.target.module, "config", None), "bos_token_id", None)
+        if bos is not None and bool((windows[:, 0] == int(bos)).all()):  # BOS windows: the probe's params say so
+            return make_natural_probe(windows[:, 1:], n=n, seq_len=T, bos_token_id=int(bos), source="first training batch")
+        return make_natural_probe(windows, n=n, seq_len=T, source="first training batch")
 
     def tokens_at(self, step: int) -> int | None:
         """Tokens seen by ``step``; None (recorded as null, one warning) when no batch could be counted."""

@@ -294,10 +294,22 @@ def direction_consistency(vectors: np.ndarray, first_tokens: np.ndarray) -> floa
     return float((total @ total - same) / n_pairs)
 
 
-def circuit_layer(norm_ratio: np.ndarray, consistency: np.ndarray, min_ratio: float, min_consistency: float) -> int | None:
-    """First block l with rho_l >= min_ratio and c_l >= min_consistency, else None."""
-    ok = (np.nan_to_num(norm_ratio, nan=-np.inf) >= min_ratio) & (np.nan_to_num(consistency, nan=-np.inf) >= min_consistency)
-    hits = np.flatnonzero(ok)
+def circuit_layer(
+    norm_ratio: np.ndarray, consistency: np.ndarray | None, min_ratio: float, min_consistency: float = 0.0
+) -> int | None:
+    """First block l where position 0's state is amplified along a stable direction and stays amplified:
+    rho_l >= min_ratio and rho_{l+1} >= min_ratio (the last block needs only its own), and
+    c_l >= min_consistency. ``consistency`` None: no direction test (every window starts with the
+    same BOS, c is undefined; the BOS anchor, docs/stages.md). None when no block qualifies.
+
+    Why two blocks: a circuit later heads anchor on persists into the blocks after it; one block's
+    norm spike that the next block undoes (a random model's block 0: rho 2.2, then 1.6) is not one."""
+    rho = np.nan_to_num(np.asarray(norm_ratio, dtype=float), nan=-np.inf)
+    amplified = rho >= min_ratio
+    held = amplified & np.append(amplified[1:], True)  # this block and the next (the last: itself)
+    if consistency is not None:
+        held &= np.nan_to_num(np.asarray(consistency, dtype=float), nan=-np.inf) >= min_consistency
+    hits = np.flatnonzero(held)
     return int(hits[0]) if len(hits) else None
 
 

@@ -134,7 +134,8 @@ class Monitor:
                 out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
                 values.update(out)
                 if s.kind == "natural":
-                    values.update(self._bos_free_circuit(target, s))
+                    values["bos_token_id"] = s.params.get("bos_token_id")  # the BOS every window starts with, or None (SPEC §3)
+                    values.update(self._p0_anchor(target, s, out))
         values["probe_seconds"] = time.perf_counter() - t0
         values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (SPEC §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
@@ -160,28 +161,44 @@ class Monitor:
         snap.values.update({k: record[k] for k in keys})
         return snap
 
-    def _bos_free_circuit(self, target: ProbeTarget, natural: ProbeSet) -> dict:
-        """The circuit keys when every natural window starts with the same token (a BOS).
+    def _p0_anchor(self, target: ProbeTarget, natural: ProbeSet, fed: dict) -> dict:
+        """The circuit keys and ``p0_anchor`` when every natural window starts with the same token (a BOS).
 
         Direction consistency compares h_l[0] across sequences whose first tokens differ; with one
-        shared first token there is no such pair (NaN) and never a circuit layer. The BOS-free twin
-        — the same windows without their first token (SPEC §3) — then decides ``p0_norm_ratio``,
-        ``p0_direction_consistency`` and ``circuit_layer``; sink keys stay those of the windows as
-        given, and ``circuit_source: natural_bos_free_twin`` says so (docs/stages.md)."""
+        shared first token there is no such pair (NaN), so the windows as fed cannot show a positional
+        circuit. Two questions are then asked (SPEC §6, docs/stages.md):
+
+        - a positional circuit? The BOS-free twin — the same windows without their first token
+          (SPEC §3) — is judged by the positional rule; if it has a circuit layer, ``p0_anchor`` is
+          ``position`` and the twin gives ``p0_norm_ratio``, ``p0_direction_consistency`` and
+          ``circuit_layer`` (``circuit_source: natural_bos_free_twin``);
+        - else an amplified BOS? The BOS's own norm ratio, held for two blocks at
+          ``bos_min_norm_ratio`` (no direction test: c is undefined), gives ``circuit_layer`` and
+          ``p0_anchor: bos`` (``circuit_source: natural``).
+
+        Either way the record keeps the BOS's numbers (``p0_norm_ratio_bos``, ``circuit_layer_bos``)
+        and the twin's (``circuit_layer_twin``); sink keys stay those of the windows as fed."""
         first = natural.tokens[:, 0]
         if natural.n < 2 or not bool((first == first[0]).all()):
-            return {}  # the windows themselves decide (no circuit_source key: records stay as before)
+            return {}  # the windows themselves decide (``_p0_values`` set p0_anchor)
+        st = self.config.stages
+        bos_rho = np.asarray(fed["p0_norm_ratio"], dtype=float)
+        bos_layer = metrics.circuit_layer(bos_rho, None, st.bos_min_norm_ratio)
         twin = ProbeSet("natural", natural.tokens[:, 1:].clone(), {}, {**natural.params, "bos_free_twin": True})
         out, _ = self._run(target, twin, with_sinks=True)
         if not bool((twin.tokens[:, 0] != twin.tokens[0, 0]).any()):
             warnings.warn(
-                "sinkwatch: every natural window starts with the same two tokens; the P0 circuit layer (and so the P0 stage "
-                "beyond 'early') is undecidable: use natural windows from varied text",
+                "sinkwatch: every natural window starts with the same two tokens; whether a positional P0 circuit exists "
+                "is undecidable: use natural windows from varied text",
                 RuntimeWarning,
                 stacklevel=3,
             )
+        both = {"p0_norm_ratio_bos": bos_rho, "circuit_layer_bos": bos_layer, "circuit_layer_twin": out["circuit_layer"]}
         keys = ("p0_norm_ratio", "p0_direction_consistency", "circuit_layer")
-        return {**{k: out[k] for k in keys}, "circuit_source": "natural_bos_free_twin"}
+        if out["circuit_layer"] is None and bos_layer is not None:
+            return {**both, "circuit_layer": bos_layer, "p0_anchor": "bos", "circuit_source": "natural"}
+        anchor = "position" if out["circuit_layer"] is not None else None
+        return {**both, **{k: out[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
 
     def _batches(self, probe: ProbeSet) -> Iterable[slice]:
         size = max(1, self.config.batch_tokens // probe.seq_len)
@@ -429,10 +446,12 @@ def _p0_values(ratio: np.ndarray, vectors: np.ndarray, first_tokens: np.ndarray,
     rho = metrics.p0_norm_ratio(ratio)
     consistency = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(vectors.shape[1])])
     st = config.stages
+    layer = metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency)
     return {
         "p0_norm_ratio": rho,
         "p0_direction_consistency": consistency,
-        "circuit_layer": metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency),
+        "circuit_layer": layer,
+        "p0_anchor": "position" if layer is not None else None,  # windows sharing a BOS: Monitor._p0_anchor decides
     }
 
 

@@ -276,6 +276,17 @@ def make_natural_probe(
     return ProbeSet("natural", windows.clone(), {}, params)
 
 
+def tokenizer_bos(tokenizer) -> int | None:
+    """The BOS id ``tokenizer`` puts first when it encodes text with its special tokens (Gemma,
+    Llama 3, OLMo-2 ...), else None (GPT-2, Pythia, SmolLM2 add none): the convention the model was
+    trained with, which natural windows follow (SPEC §3)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if len(ids) and int(ids[0]) == int(bos) else None
+
+
 def read_text_tokens(path: str | os.PathLike, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
     """Tokenize a UTF-8 text file into a 1-D id stream (no special tokens)."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
@@ -344,7 +355,11 @@ class NaturalProbe:
     tokenizer: Any = None  # needed with text_file (a transformers tokenizer or a name to load)
     n: int = 100
     seq_len: int = 64
-    bos_token_id: int | None = None
+    bos_token_id: int | None = None  # the BOS put first in every window (None: see ``bos``)
+    # None: the tokenizer's convention (a BOS first when it adds one to the text it encodes; with
+    # tokens= and no tokenizer, a BOS only when bos_token_id is given); True: always (bos_token_id,
+    # else the tokenizer's BOS); False: never, whatever the tokenizer does (the BOS-free twin by hand)
+    bos: bool | None = None
     kind = "natural"
 
     def __post_init__(self) -> None:
@@ -354,19 +369,44 @@ class NaturalProbe:
             raise ValueError("NaturalProbe needs exactly one of tokens= (ids) or text_file= (with tokenizer=)")
         if self.text_file is not None and self.tokenizer is None:
             raise ValueError("NaturalProbe(text_file=...) needs tokenizer= (a tokenizer object or a hub id / local dir)")
+        if self.bos is not None and not isinstance(self.bos, bool):
+            raise TypeError(f"NaturalProbe(bos=...) is True, False or None (the tokenizer's convention), got {self.bos!r}")
+        if self.bos_token_id is not None and (not isinstance(self.bos_token_id, int) or self.bos_token_id < 0):
+            raise ValueError(f"bos_token_id must be a token id (int >= 0) or None, got {self.bos_token_id!r}")
+
+    def _tokenizer(self):
+        tok = self.tokenizer
+        if isinstance(tok, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(tok))
+        return tok
+
+    def resolved_bos(self, tokenizer=None) -> int | None:
+        """The BOS id every window starts with, or None."""
+        if self.bos is False:
+            return None
+        if self.bos_token_id is not None:
+            return self.bos_token_id
+        if tokenizer is None:
+            if self.bos:
+                raise ValueError("NaturalProbe(bos=True) needs bos_token_id= or a tokenizer that has a BOS token")
+            return None
+        if self.bos:
+            bos = getattr(tokenizer, "bos_token_id", None)
+            if bos is None:
+                raise ValueError(f"NaturalProbe(bos=True): {type(tokenizer).__name__} has no BOS token; pass bos_token_id=")
+            return int(bos)
+        return tokenizer_bos(tokenizer)
 
     def build(self, vocab_size: int) -> ProbeSet:
+        tok = self._tokenizer() if self.tokenizer is not None else None
         if self.text_file is not None:
-            tok = self.tokenizer
-            if isinstance(tok, (str, os.PathLike)):
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(str(tok))
             stream = read_text_tokens(self.text_file, tok)
             source = os.path.basename(str(self.text_file))
         else:
             stream, source = self.tokens, "tokens"
-        probe = make_natural_probe(stream, self.n, self.seq_len, bos_token_id=self.bos_token_id, source=source)
+        probe = make_natural_probe(stream, self.n, self.seq_len, bos_token_id=self.resolved_bos(tok), source=source)
         probe.check_vocab(vocab_size)
         return probe
 

@@ -19,7 +19,7 @@ RECORD_KEYS = (
     "sink_rate", "sink_profile", "sink_rate_per_layer", "sink_alpha", "sink_center",
     "selectivity", "best_class", "sink_heads_per_layer", "bos_fraction_raw", "bos_fraction_bestclass",
     "induction_heads", "n_induction_ge30", "n_induction_ge50", "pr", "induction_score", "icl_score",
-    "p0_norm_ratio", "p0_direction_consistency", "circuit_layer",
+    "p0_norm_ratio", "p0_direction_consistency", "circuit_layer", "p0_anchor",
     "p0_stage", "induction_state", "p0_stage_now", "induction_state_now",
 )  # fmt: skip
 

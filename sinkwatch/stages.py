@@ -34,8 +34,10 @@ class StageConfig:
     """Every threshold of the stage rules, with defaults explained in docs/stages.md."""
 
     # P0 circuit: where position 0's state is amplified (circuit layer, SPEC §5)
-    circuit_min_norm_ratio: float = 5.0  # rho_l >= R
-    circuit_min_consistency: float = 0.9  # c_l >= C
+    # calibrated on SmolLM2-135M, Gemma 3 270M, random-init and planted models (docs/stages.md's table)
+    circuit_min_norm_ratio: float = 2.0  # rho_l >= R (and rho_{l+1} >= R): a positional circuit
+    circuit_min_consistency: float = 0.8  # c_l >= C
+    bos_min_norm_ratio: float = 4.0  # the BOS anchor: the shared BOS's rho_l >= this (and rho_{l+1}); c is undefined
     final_max_circuit_layer: int = 1  # "final": the circuit sits in blocks 0-1
     # P0 sinks
     sink_rate_floor: float = 0.02  # sinks present: some Sink_k >= this ("sink rate ~ 0" below it)

@@ -92,6 +92,32 @@ class Planted:
         self.amplified_from = block if self.amplified_from is None else min(self.amplified_from, block)
         return self
 
+    def amplify_token(self, block: int, token: int, gain: float = 5.5) -> Planted:
+        """Block ``block``'s MLP writes gain * LN2 / 2 * s wherever the token is ``token`` (a BOS),
+        whatever its position: the BOS anchor. gain 5.5: rho ~ 26 after the block (a BOS-trained
+        270M model reads 24-29, issue 24)."""
+        mlp = self.m.transformer.h[block].mlp
+        with torch.no_grad():
+            mlp.c_fc.weight[:, 1] = self.basis.T[token]  # LN(x) . T[token] = LN2 where the token is there, 0 elsewhere
+            mlp.c_fc.bias[1] = -LN2 / 2
+            mlp.c_proj.weight[1] = gain * self.basis.s
+        self.amplified_token = (block, token)
+        return self
+
+    def sink_heads_on_token(self, layer: int, token: int, strength: float = 14.0, heads=range(N_HEADS)) -> Planted:
+        """``heads`` of ``layer`` attend to wherever ``token`` sits: on the token's own direction before
+        the block that amplifies it, on the amplified direction s after it."""
+        block, amplified = getattr(self, "amplified_token", (None, None))
+        with torch.no_grad():
+            for h in heads:
+                (Wq, bq), (Wk, _), _ = self._qkv(layer, h)
+                bq[0] = 1.0
+                if amplified == token and block < layer:
+                    Wk[:, 0] += self.basis.s * strength / (D_MODEL**0.5 * HEAD_DIM**-0.5)
+                else:
+                    Wk[:, 0] += self.basis.T[token] * strength / (LN2 * HEAD_DIM**-0.5)
+        return self
+
     def sink_heads(self, layer: int, positions, strength: float = 14.0, heads=range(N_HEADS)) -> Planted:
         """All ``heads`` of ``layer`` sink onto ``positions`` (logit ~ strength there, 0 elsewhere)."""
         with torch.no_grad():
@@ -155,6 +181,20 @@ def p0_transitional_position1() -> GPT2LMHeadModel:
 def p0_transitional_spread() -> GPT2LMHeadModel:
     """Later heads split their mass over positions 0, 1 and 2: several early sinks."""
     return Planted(4).sink_heads(2, [0, 1, 2]).sink_heads(3, [0, 1, 2]).model()
+
+
+BOS = 1  # the planted BOS token
+
+
+def p0_final_bos() -> GPT2LMHeadModel:
+    """The BOS anchor (issue 24's BOS-trained 270M profile): block 0 amplifies the BOS token wherever
+    it is (rho ~ 26 after block 0); two of block 0's heads and every later head (but one in the last
+    block) sink onto it, 12 of 15 heads (0.8; block 0: 0.67). Without the BOS nothing is amplified
+    (rho ~ 1) and nothing sinks."""
+    b = Planted(5).amplify_token(0, BOS).sink_heads_on_token(0, BOS, heads=[0, 1])
+    for layer in (1, 2, 3):
+        b.sink_heads_on_token(layer, BOS)
+    return b.sink_heads_on_token(4, BOS, heads=[0]).model()
 
 
 def p0_none() -> GPT2LMHeadModel:

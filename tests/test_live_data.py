@@ -9,7 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.lightning import SinkWatchCallback
-from sinkwatch.live import natural_windows
+from sinkwatch.live import bos_of_batch, natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 PAD = 0
@@ -53,6 +53,38 @@ def test_natural_windows_spread_over_rows_and_skip_padding():
     assert got.tolist() == [[5, 6], [9, 10], [7, 8], [11, 12]]
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
     assert natural_windows(left_padded, 2, 10, attention_mask=mask).tolist() == got.tolist()
+
+
+def test_a_bos_trained_runs_windows_all_start_with_its_bos():
+    """Rows that start with the model's BOS (a BOS-trained run): every window, mid-row ones too, is the
+    BOS and then its row's text after the row's own BOS (issue 24: B = 8, natural_n = 32 cut three
+    windows in four mid-row, without the BOS)."""
+    BOS = 1
+    rows = torch.arange(2, 2 + 8 * 255).view(8, 255)
+    ids = torch.cat([torch.full((8, 1), BOS), rows], dim=1)  # (8, 256): BOS + 255 tokens
+    assert bos_of_batch(ids, BOS) == BOS and bos_of_batch(ids, 7) is None and bos_of_batch(ids, None) is None
+    w = natural_windows(ids, 64, 32, bos_token_id=BOS)
+    assert w.shape == (32, 64) and (w[:, 0] == BOS).all() and (w[:, 1:] != BOS).all()
+    first_of_row0 = w[0, 1:].tolist()
+    assert first_of_row0 == rows[0, :63].tolist() and w[8, 1:].tolist() == rows[0, 63:126].tolist()  # consecutive, no overlap
+    mixed = ids.clone()
+    mixed[3, 0] = 5  # one row without the BOS: not a BOS-trained batch
+    assert bos_of_batch(mixed, BOS) is None
+    padded = torch.cat([torch.zeros(8, 2, dtype=torch.int64), ids], dim=1)
+    mask = torch.cat([torch.zeros(8, 2, dtype=torch.int64), torch.ones(8, 256, dtype=torch.int64)], dim=1)
+    assert bos_of_batch(padded, BOS, attention_mask=mask) == BOS  # left padding before the BOS
+
+
+def test_live_natural_probe_of_a_bos_trained_run_records_its_bos(tmp_path):
+    from sinkwatch.live import LiveConfig, LiveMonitor
+
+    model = build("llama", seed=1)  # config.bos_token_id = 0
+    ids = torch.cat([torch.zeros(8, 1, dtype=torch.int64), torch.randint(2, 256, (8, 127))], dim=1)
+    live = LiveMonitor(LiveConfig(out_dir=str(tmp_path), wandb="disabled", console=False, probes=None))
+    live.setup(model, is_global_zero=True)
+    live.batch_start({"input_ids": ids})
+    assert live.natural is not None and live.natural.params["bos_token_id"] == 0
+    assert (live.natural.tokens[:, 0] == 0).all() and live.natural.n == 16  # 2 windows of 1 + 63 per row
 
 
 def test_lightning_natural_probe_comes_from_every_row_and_no_padding(tmp_path):

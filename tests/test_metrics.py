@@ -127,12 +127,18 @@ def test_direction_consistency_skips_same_token_pairs():
     assert M.direction_consistency(x, t) == pytest.approx(np.mean(pairs))
 
 
-def test_circuit_layer_is_the_first_block_meeting_both():
-    """The circuit layer is the first block meeting both the norm and the consistency threshold."""
-    rho = np.array([1.0, 8.0, 9.0, np.nan])
+def test_circuit_layer_is_the_first_block_meeting_both_and_held_by_the_next():
+    """The circuit layer: the first block meeting the norm and consistency thresholds whose next
+    block is still amplified (the last block needs only its own)."""
+    rho = np.array([1.0, 8.0, 9.0, 7.0])
     c = np.array([1.0, 0.5, 0.95, 1.0])
     assert M.circuit_layer(rho, c, 5.0, 0.9) == 2
     assert M.circuit_layer(rho, c, 10.0, 0.9) is None
+    spike = np.array([6.0, 1.0, 1.0, 1.0])  # block 0 amplifies, block 1 undoes it: no circuit
+    assert M.circuit_layer(spike, np.ones(4), 5.0, 0.9) is None
+    assert M.circuit_layer(np.array([1.0, 1.0, 1.0, 6.0]), np.ones(4), 5.0, 0.9) == 3  # the last block
+    assert M.circuit_layer(np.array([1.0, 6.0, 6.0, 1.0]), None, 5.0) == 1  # no direction test (BOS anchor)
+    assert M.circuit_layer(np.array([1.0, 6.0, np.nan, 6.0]), np.ones(4), 5.0, 0.9) == 3  # NaN is not amplified
 
 
 def test_target_scores_and_controls():

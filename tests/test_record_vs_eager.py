@@ -60,8 +60,9 @@ def check_record(model, family, record, monitor):
     close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
     close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
     cfg = monitor.config.stages
-    ok = (p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
-    assert record["circuit_layer"] == (int(np.argmax(ok)) if ok.any() else None)
+    amplified = p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio
+    ok = amplified & np.append(amplified[1:], True) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
+    assert record["circuit_layer"] == (int(np.argmax(ok)) if ok.any() else None)  # held by the next block too (docs/stages.md)
 
     # --- selectivity screen, PR and the induction target, from the induction probe
     probe = sets["induction"]

@@ -64,12 +64,14 @@ def probes_with_options(
     seq_len: int | None = None,
     vocab_range: Sequence[int] | None = None,
     text: str | None = None,
+    bos: bool | None = None,
 ) -> list | None:
     """The recipe's probes with the command line's probe options laid over them (None: no option given,
     the recipe's own). A kind the recipe has keeps its parameters where no option is given (``--probe
     induction,repeated`` adds the repeated probe; the induction probe stays the recipe's 2000 x 256);
-    a kind it lacks starts from that probe's defaults."""
-    if kinds is None and n is None and seq_len is None and vocab_range is None and text is None:
+    a kind it lacks starts from that probe's defaults. ``bos``: ``--bos/--no-bos`` for natural windows
+    (None: the tokenizer's convention)."""
+    if kinds is None and n is None and seq_len is None and vocab_range is None and text is None and bos is None:
         return None
     specs = {}
     for kind in kinds or list(recipe.probes):
@@ -83,5 +85,7 @@ def probes_with_options(
                 spec["text_file"] = text
             if "text_file" not in spec and "tokens" not in spec:
                 raise ValueError("the natural probe needs --text FILE (a UTF-8 text file tokenized with the model's tokenizer)")
+            if bos is not None:
+                spec["bos"] = bos
         specs[kind] = spec
     return Recipe(model=recipe.model, probes=specs).probe_recipes()
