@@ -214,6 +214,32 @@ def config_token(config_hash: str | None) -> int:
     return int(config_hash[:12], 16) if config_hash else 0
 
 
+def group_device(backend: str, prefer: torch.device | str | None = None) -> torch.device:
+    """The device of the tensors sinkwatch's collectives send over a group of ``backend``.
+
+    ``backend`` is what ``dist.get_backend()`` says: one name ("nccl", "gloo") or per-device pairs
+    ("cpu:gloo,cuda:nccl", OLMo-core's default). Each backend carries tensors of some device types
+    only (NCCL: CUDA; gloo: CPU and CUDA): ``prefer`` (the model's device) when the group carries
+    its type, else CPU when it does, else the first type it carries. Never a CPU tensor to an
+    NCCL-only group (which fails), never a needless device copy."""
+    from torch.distributed import Backend
+
+    text = backend.strip().lower()
+    if ":" in text:  # "cpu:gloo,cuda:nccl": the device types are named
+        types = [pair.split(":", 1)[0].strip() for pair in text.split(",") if pair.strip()]
+    else:
+        types = list(Backend.backend_capability.get(text, ["cpu"]))
+    want = torch.device(prefer).type if prefer is not None else None
+    kind = want if want in types else ("cpu" if "cpu" in types else types[0])
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if want == kind and prefer is not None and torch.device(prefer).index is not None:
+        return torch.device(prefer)
+    return torch.device(kind)
+
+
 class ProbeGroup:
     """The ranks that run each probe together: this rank alone (``size`` 1: nothing to agree), or
     every rank of the default process group when the parameters are sharded.
@@ -224,7 +250,7 @@ class ProbeGroup:
     of; after the first verdict that is not unanimous no rank sends another, so a rank that stops
     early never leaves one unpaired. ``gather`` then tells rank 0 who failed and why."""
 
-    def __init__(self, size: int = 1):
+    def __init__(self, size: int = 1, *, prefer: torch.device | str | None = None):
         self.size = size
         self.rank = global_rank() if size > 1 else 0
         self._closed = False
@@ -232,16 +258,16 @@ class ProbeGroup:
         if size > 1:
             import torch.distributed as dist
 
-            if dist.get_backend() == "nccl":  # NCCL carries CUDA tensors only
-                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = group_device(str(dist.get_backend()), prefer)
 
     @classmethod
-    def for_rank(cls, facts: RankFacts) -> ProbeGroup:
-        """Every rank together when the parameters are sharded (and there are several ranks), else alone."""
+    def for_rank(cls, facts: RankFacts, *, prefer: torch.device | str | None = None) -> ProbeGroup:
+        """Every rank together when the parameters are sharded (and there are several ranks), else alone.
+        ``prefer``: the model's device; the agreements use it when the group carries its tensors."""
         import torch.distributed as dist
 
         if facts.sharding is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return cls(dist.get_world_size())
+            return cls(dist.get_world_size(), prefer=prefer)
         return cls(1)
 
     @property

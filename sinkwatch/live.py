@@ -249,7 +249,7 @@ class LiveMonitor:
         check_layout(outer, zero3=zero3)
         self._full_params = fsdp_full_params(outer)
         self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
-        self.group = ProbeGroup.for_rank(self.rank)
+        self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
