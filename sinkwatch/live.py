@@ -399,7 +399,7 @@ class LiveMonitor:
             self._probe_step(step)
 
     def _probe(self, step: int) -> None:
-        with preserved_rng():  # reporters too: wandb.init draws its run id from Python's random
+        with preserved_rng(), eager_forwards():  # reporters too: wandb.init draws its run id from Python's random
             self._probe_and_report(step)
 
     def _probe_and_report(self, step: int) -> None:
@@ -553,6 +553,16 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
+
+
+def eager_forwards() -> contextlib.AbstractContextManager:
+    """Probe forwards run eagerly through compiled modules (``torch.compiler.set_stance("force_eager")``):
+    under per-block ``torch.compile`` (OLMo-core's ``apply_compile``, ``module.compile()``) Dynamo
+    would otherwise trace each block again with sinkwatch's hooks on it (2 -> 44 graphs after one
+    probe of a 2-block model), and a ``fullgraph=True`` block would fail the probe. Training's own
+    graphs stay as they were; the stance is restored on the way out."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def live_probes(state: dict) -> dict:

@@ -39,3 +39,44 @@ def test_an_nccl_only_backend_string_gets_cuda_tensors():
         mock.patch("torch.cuda.is_available", return_value=False),
     ):
         assert distributed.ProbeGroup(2).device.type == "cuda"
+
+
+# ---- item 9: per-block torch.compile: probe forwards never reach Dynamo ---------------------------
+def small_probes():
+    from sinkwatch import InductionProbe, RepeatedRandomProbe
+
+    return [InductionProbe(n=4, seq_len=64, vocab_range=(2, 250)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, 250))]
+
+
+def quiet(tmp_path, **kw) -> dict:
+    return {"out_dir": str(tmp_path / "sw"), "wandb": "disabled", "console": False, **kw}
+
+
+def test_a_probe_adds_no_dynamo_graph_under_per_block_compile(tmp_path):
+    """OLMo-core's apply_compile compiles each block in place; a probe forward through those blocks
+    (with sinkwatch's hooks on them) must run eagerly, not trace new graphs (issue 25: 2 -> 49)."""
+    import torch._dynamo
+    from tiny_models import build
+    from torch._dynamo.testing import CompileCounter
+
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = build("llama").train()
+    for block in model.model.layers:
+        block.compile(backend=counter)
+    ids = torch.randint(2, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = counter.frame_count
+    assert before >= 1
+    live = LiveMonitor(LiveConfig(probes=small_probes(), **quiet(tmp_path)))
+    live.setup(model, is_global_zero=True)
+    live.step_end(0)
+    assert [r["step"] for r in read_jsonl(tmp_path / "sw" / "records.jsonl")] == [0]
+    assert "error" not in read_jsonl(tmp_path / "sw" / "records.jsonl")[0]
+    assert counter.frame_count == before, f"the probe compiled {counter.frame_count - before} new graphs"
+    model(input_ids=ids, labels=ids).loss.backward()  # training's graphs are still the ones it had
+    assert counter.frame_count == before
+    torch._dynamo.reset()
