@@ -252,6 +252,8 @@ class LiveMonitor:
         self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
+        if self.config.log_spaced:  # one schedule for the whole run: rank 0's (ranks with unequal data estimate differently)
+            self.max_steps = shared_max_steps(self.max_steps, self.target.device)
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
         if self.config.log_spaced and self.max_steps is None:
             self._warn(
@@ -553,6 +555,24 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
+
+
+def shared_max_steps(max_steps: int | None, device: torch.device) -> int | None:
+    """Rank 0's planned number of optimizer steps on every rank of the default process group (a
+    collective every rank runs at setup; alone: ``max_steps`` itself). Each rank's trainer estimates
+    the run from its own data (Lightning's ``estimated_stepping_batches``), and log-spaced steps
+    computed from unequal estimates would send one rank into a probe the others never start."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return max_steps
+    from .distributed import group_device
+
+    on = group_device(str(dist.get_backend()), device)
+    value = torch.tensor([max_steps if max_steps is not None else -1], dtype=torch.int64, device=on)
+    dist.broadcast(value, src=0)
+    steps = int(value.item())
+    return steps if steps > 0 else None
 
 
 def eager_forwards() -> contextlib.AbstractContextManager:

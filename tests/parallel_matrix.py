@@ -452,6 +452,24 @@ def fault_in_model_forward(cell: Path) -> None:
     _fsdp2_loop(cell, steps=STEPS)
 
 
+# ---- issue 25: settings real runs use -------------------------------------------------------------
+def log_spaced_schedule(cell: Path) -> None:
+    """Ranks whose trainers estimate different run lengths (unequal data: Lightning's
+    ``estimated_stepping_batches`` per rank) must still probe the same log-spaced steps: rank 0's."""
+    from sinkwatch.live import LiveConfig, LiveMonitor
+
+    model = tiny_gpt2()
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    live = LiveMonitor(LiveConfig(**{**options(cell), "log_spaced": 5, "every_n_steps": None}))
+    live.setup(model, is_global_zero=_rank() == 0, max_steps=10 if _rank() == 0 else 1000, world_size=dist.get_world_size())
+    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live._log_steps)))
+    live.finish()
+
+
 # ---- OLMo-core ------------------------------------------------------------------------------------
 def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: bool = False) -> None:
     import olmo_core.distributed.parallel as olmo_parallel
@@ -598,6 +616,7 @@ CELLS = {
     for f in (
         lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
+        log_spaced_schedule,
     )
 }  # fmt: skip
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torchrun import torchrun
 
-from sinkwatch.live import LiveConfig, natural_windows
+from sinkwatch.live import LiveConfig, log_spaced_steps, natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 HERE = Path(__file__).parent
@@ -36,7 +36,8 @@ LAUNCH_TIMEOUT_S = 540
 
 LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end its launch goes last)
     "sharded": (2, True, ["lightning_fsdp2", "lightning_tp", "lightning_tp_mesh", "hf_tp_plan", "fsdp1_orig_params", "fsdp1_flat_params",
-                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "fault_in_model_forward"]),
+                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule",
+                          "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
 }  # fmt: skip
@@ -281,3 +282,11 @@ def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
     for key in keys:
         assert key in plain, key
         np.testing.assert_array_equal(np.array(guarded[key], dtype=float), np.array(plain[key], dtype=float), err_msg=key)
+
+
+def test_log_spaced_steps_are_rank_0s_on_every_rank(matrix):
+    """Rank 0 plans 10 steps, rank 1 1000 (unequal data): both probe rank 0's log-spaced steps."""
+    d = cell_dir(matrix, "log_spaced_schedule")
+    assert all(r["status"] == "ok" for r in results(d)), results(d)
+    schedules = [json.loads((d / f"schedule-rank{r}.json").read_text()) for r in range(2)]
+    assert schedules[0] == schedules[1] == sorted(log_spaced_steps(5, 10)), schedules
