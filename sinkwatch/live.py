@@ -359,11 +359,28 @@ class LiveMonitor:
         if windows.shape[0] < 1:
             self._warn("natural", "sinkwatch: the first training batch is too short for natural windows; natural probe skipped")
             return None
+        self._warn_short_windows(windows)
         return windows
 
-    @staticmethod
-    def _natural_probe(windows: torch.Tensor) -> ProbeSet:
-        return make_natural_probe(windows, n=windows.shape[0], seq_len=windows.shape[1], source="first training batch")
+    def _warn_short_windows(self, windows: torch.Tensor) -> None:
+        """One warning when the first batch gives fewer or shorter windows than asked (issue 25)."""
+        cfg = self.config
+        m, T = windows.shape
+        if m < cfg.natural_n or T < cfg.natural_seq_len:
+            self._warn(
+                "natural-short",
+                f"sinkwatch: the first training batch gives {m} natural windows of {T} tokens where {cfg.natural_n} x "
+                f"{cfg.natural_seq_len} were asked; the natural probe is frozen from it (step 0 is probed before any later "
+                "batch arrives, and every record uses the same windows), so later, longer batches change nothing. Records say "
+                "natural_probe {n, seq_len}. Lower natural_n / natural_seq_len, make the first batch longer, or pass "
+                "probes=[..., make_natural_probe(tokens, n, seq_len)] built from your data.",
+            )
+
+    def _natural_probe(self, windows: torch.Tensor) -> ProbeSet:
+        probe = make_natural_probe(windows, n=windows.shape[0], seq_len=windows.shape[1], source="first training batch")
+        # what was asked beside what the first batch gave (n, seq_len): a short first batch shows in the record
+        probe.params.update({"requested_n": self.config.natural_n, "requested_seq_len": self.config.natural_seq_len})
+        return probe
 
     def tokens_at(self, step: int) -> int | None:
         """Tokens seen by ``step``; None (recorded as null, one warning) when no batch could be counted."""
@@ -441,6 +458,9 @@ class LiveMonitor:
         record = snap.to_record()
         record["config_hash"] = self.config_hash
         record["tracker_since_step"] = self.tracker_since_step
+        if self.natural is not None:  # what the natural windows hold, beside what was asked (a short first batch)
+            keys = ("n", "seq_len", "requested_n", "requested_seq_len")
+            record["natural_probe"] = {k: self.natural.params[k] for k in keys if k in self.natural.params}
         if _has_non_finite(snap.values):
             self._warn(
                 "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from unittest import mock
 
 import pytest
+import torch
 
 from sinkwatch import distributed
 
@@ -80,3 +81,24 @@ def test_a_probe_adds_no_dynamo_graph_under_per_block_compile(tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()  # training's graphs are still the ones it had
     assert counter.frame_count == before
     torch._dynamo.reset()
+
+
+# ---- item 6: a short first batch: said, warned, recorded --------------------------------------------
+def test_a_short_first_batch_warns_and_the_record_says_what_the_natural_probe_holds(tmp_path):
+    from tiny_models import build
+
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama")
+    live = LiveMonitor(LiveConfig(natural_n=8, natural_seq_len=64, **quiet(tmp_path)))
+    live.setup(model, is_global_zero=True)
+    short = torch.randint(2, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match=r"2 natural windows of 16 tokens where 8 x 64 were asked"):
+        live.batch_start({"input_ids": short})
+        live.step_end(0)
+    live.batch_start({"input_ids": torch.randint(2, 250, (8, 128))})  # a later, longer batch changes nothing
+    (record,) = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert record["natural_probe"] == {"n": 2, "seq_len": 16, "requested_n": 8, "requested_seq_len": 64}
+    assert live.natural.params["n"] == 2 and live.natural.params["seq_len"] == 16
+    assert live.natural.params["requested_n"] == 8 and live.natural.params["requested_seq_len"] == 64
