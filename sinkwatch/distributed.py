@@ -134,6 +134,74 @@ def fsdp_full_params(module) -> FullParams:
     return _fsdp_kind(module)[1]
 
 
+def fsdp1_param_dtype(module) -> torch.dtype | None:
+    """The dtype FSDP (v1) units compute in under parameter mixed precision
+    (``MixedPrecision(param_dtype=...)``: Lightning's ``FSDPStrategy(precision="bf16-mixed")``,
+    accelerate's ``mixed_precision="bf16"``), or None (no FSDP v1, or full precision).
+
+    The probe calls the model inside the root wrapper, not the root's forward: the root's own
+    parameters (embeddings, head, final norm) stay in float32 under ``summon_full_params`` while
+    each inner unit casts its own to ``param_dtype``, so the first block met float32 activations
+    with bfloat16 weights on every rank ("mixed dtype (CPU): expect parameter to have scalar type
+    of Float") and every run stopped at the step-0 probe. The probe then runs under autocast in
+    this dtype, as the units compute in training."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if module is None:
+        return None
+    dtypes = {getattr(getattr(m, "mixed_precision", None), "param_dtype", None) for m in module.modules() if isinstance(m, FSDP)}
+    dtypes.discard(None)
+    dtypes.discard(torch.float32)
+    return dtypes.pop() if len(dtypes) == 1 else (torch.bfloat16 if torch.bfloat16 in dtypes else None)
+
+
+def fsdp1_root_runner(module) -> Callable[[Callable[[], object]], object] | None:
+    """Under FSDP (v1) parameter mixed precision: a runner that calls ``fn`` (the whole probe)
+    inside the root unit's own forward, so the root's parameters are gathered and cast to
+    ``param_dtype`` exactly as in training and every inner unit computes on activations of its
+    dtype; None otherwise (``fsdp_full_params`` then gathers with ``summon_full_params``).
+
+    ``summon_full_params`` hands back full-precision parameters and autocast does not bridge the
+    gap (CPU autocast leaves ``layer_norm`` alone: bfloat16 weights on float32 activations fail),
+    so the probe runs where the root's forward would run its wrapped module: that module's
+    ``forward`` is replaced for this one call by one that restores it and runs ``fn``. Whatever
+    ``fn`` raises is re-raised after the root's forward has ended (its parameters resharded)."""
+    if fsdp1_param_dtype(module) is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = _outermost(module, FSDP)
+    if len(units) != 1:
+        return None
+    root = units[0]
+
+    def run(fn: Callable[[], object]) -> object:
+        inner = root._fsdp_wrapped_module
+        box: dict = {}
+
+        def probe_in_root(*args, **kwargs):
+            inner.__dict__.pop("forward", None)  # the probe's own forwards call the model's real forward
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the root's forward has ended
+                box["error"] = exc
+            return torch.zeros((), device=root.compute_device or "cpu")
+
+        inner.forward = probe_in_root
+        try:
+            with torch.no_grad():
+                root()
+        finally:
+            inner.__dict__.pop("forward", None)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return run
+
+
 def is_fsdp(module) -> bool:
     """Whether ``module`` holds FSDP or FSDP2 shards (then every rank probes together)."""
     return _fsdp_kind(module)[0] is not None

@@ -33,6 +33,8 @@ from .distributed import (
     check_probe_memory,
     config_token,
     fault_point,
+    fsdp1_param_dtype,
+    fsdp1_root_runner,
     fsdp_full_params,
     rank_facts,
 )
@@ -199,6 +201,8 @@ class LiveMonitor:
         self.monitor: Monitor | None = None
         self.target: ProbeTarget | None = None
         self._full_params = contextlib.nullcontext
+        self._in_root = None
+        self._compute_dtype: tuple[torch.dtype, bool] = (torch.float32, False)  # the probe's dtype, and whether autocast makes it
         self.reporter: Reporter = Reporter()
         self._probe_step = _NoProbe()
         self.natural: ProbeSet | None = None
@@ -232,6 +236,7 @@ class LiveMonitor:
         world_size: int = 1,
         wandb_run=None,
         zero3: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """At fit start. Resolves the model and refuses a layout no rank can probe (tensor
         parallelism; DeepSpeed ZeRO-3: ``zero3`` when the framework's config says stage 3) — a clear
@@ -243,11 +248,22 @@ class LiveMonitor:
         hang). ``wrapped``: the model as the training strategy wraps it, where FSDP shards show
         (Lightning's ``trainer.strategy.model``); None: ``model`` itself. FSDP (v1) gathers through
         it: the root wrapper sits there, outside ``model`` (an inner unit alone would leave the rest
-        sharded)."""
+        sharded).
+
+        ``compute_dtype``: the dtype the trainer computes in under mixed precision (Lightning's
+        ``bf16-mixed``, ``TrainingArguments(bf16=True)``, OLMo-core's ``autocast_precision``); the probe
+        forwards then run under autocast in it, statistics accumulating in float32, and records say
+        ``probe_dtype``. None: FSDP v1 parameter mixed precision's ``param_dtype`` if any, else the
+        model's own dtype (no autocast)."""
         self.target = resolve_target(model)
         outer = wrapped if wrapped is not None else model
         check_layout(outer, zero3=zero3)
         self._full_params = fsdp_full_params(outer)
+        # FSDP v1 parameter mixed precision: the whole probe runs inside the root unit's forward (as the units compute in training)
+        self._in_root = fsdp1_root_runner(outer)
+        self._compute_dtype = probe_compute_dtype(self.target.module, compute_dtype)
+        if self._in_root is not None and compute_dtype is None:
+            self._compute_dtype = (fsdp1_param_dtype(outer), False)  # the units cast their own parameters: no autocast
         self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
         self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
         self.world_size = self.rank.world_size
@@ -439,9 +455,10 @@ class LiveMonitor:
         token = config_token(self.config_hash)
         ok = group.agree(START if error is None else FAIL, token)  # one go/no-go, same probe sets on every rank
         if ok:
-            with group.collective(step, "gathering the full parameters"), self._full_params():  # FSDP v1: a collective
+            with group.collective(step, "gathering the full parameters"), self._gathered() as run:  # FSDP v1: a collective
                 try:
-                    snap = self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens)
+                    with self._autocast():
+                        snap = run(lambda: self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens))
                     fault_point("after", step)
                 except ProbeForwardBroken:
                     raise  # the other ranks wait inside a forward: never go on to training's collectives out of step
@@ -458,6 +475,7 @@ class LiveMonitor:
         record = snap.to_record()
         record["config_hash"] = self.config_hash
         record["tracker_since_step"] = self.tracker_since_step
+        record["probe_dtype"] = dtype_name(self._compute_dtype[0])
         if self.natural is not None:  # what the natural windows hold, beside what was asked (a short first batch)
             keys = ("n", "seq_len", "requested_n", "requested_seq_len")
             record["natural_probe"] = {k: self.natural.params[k] for k in keys if k in self.natural.params}
@@ -474,6 +492,23 @@ class LiveMonitor:
                     self.config.on_event(ev)
                 except Exception as exc:  # noqa: BLE001
                     self._warn("hook", f"sinkwatch: the on_event hook raised {type(exc).__name__}: {exc}; ignored")
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        """Where the probe runs: inside the FSDP v1 root's forward (parameter mixed precision), or in
+        ``summon_full_params`` on the outermost units (FSDP v1), or as is; yields ``run(fn)``."""
+        if self._in_root is not None:
+            yield self._in_root
+        else:
+            with self._full_params():
+                yield lambda fn: fn()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The probe forwards in the trainer's compute dtype (autocast), or as the model is."""
+        dtype, cast = self._compute_dtype
+        if not cast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.target.device.type, dtype=dtype)
 
     def _probe_failed(self, step: int, error: Exception | None) -> None:
         """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per
@@ -575,6 +610,22 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.monitor.tracker.load_state_dict(tracker)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the record's ``probe_dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def probe_compute_dtype(module, compute_dtype: torch.dtype | None) -> tuple[torch.dtype, bool]:
+    """(the dtype the probe forward computes in, whether autocast must make it so). The model's own
+    floating dtype when no compute dtype is given or it equals that (bf16-true weights: no autocast)."""
+    own = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    if compute_dtype is None or compute_dtype == own:
+        return own, False
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise TypeError(f"compute_dtype must be a floating torch.dtype (torch.bfloat16, torch.float16), got {compute_dtype!r}")
+    return compute_dtype, True
 
 
 def shared_max_steps(max_steps: int | None, device: torch.device) -> int | None:

@@ -374,7 +374,7 @@ def _loop(cell: Path, root, inner, *, steps: int = STEPS, live_options: dict | N
     return live
 
 
-def _fsdp1(cell: Path, use_orig_params: bool) -> None:
+def _fsdp1(cell: Path, use_orig_params: bool, mixed_precision=None) -> None:
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -382,8 +382,9 @@ def _fsdp1(cell: Path, use_orig_params: bool) -> None:
 
     model = tiny_gpt2()
     root = FSDP(
-        _Wrapped(model), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), device_id=torch.device("cpu"), use_orig_params=use_orig_params
-    )
+        _Wrapped(model), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     shards = [p.numel() for p in root.parameters()]
     _loop(cell, root, root.module)
     # every probe gathered and gave back: the parameters are this rank's shards again
@@ -400,6 +401,15 @@ def fsdp1_orig_params(cell: Path) -> None:
 
 def fsdp1_flat_params(cell: Path) -> None:
     _fsdp1(cell, use_orig_params=False)
+
+
+def fsdp1_bf16_params(cell: Path) -> None:
+    """Parameter mixed precision as Lightning's ``FSDPStrategy(precision="bf16-mixed")`` and accelerate's
+    ``mixed_precision="bf16"`` build it: float32 weights, each unit computing in bfloat16."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    bf16 = torch.bfloat16
+    _fsdp1(cell, use_orig_params=True, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16))
 
 
 # ---- faults on one rank of an FSDP2 run (the live core, so the steps are ours to name) --------------
@@ -616,7 +626,7 @@ CELLS = {
     for f in (
         lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
-        log_spaced_schedule,
+        log_spaced_schedule, fsdp1_bf16_params,
     )
 }  # fmt: skip
 

@@ -36,7 +36,7 @@ LAUNCH_TIMEOUT_S = 540
 
 LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end its launch goes last)
     "sharded": (2, True, ["lightning_fsdp2", "lightning_tp", "lightning_tp_mesh", "hf_tp_plan", "fsdp1_orig_params", "fsdp1_flat_params",
-                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule",
+                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule", "fsdp1_bf16_params",
                           "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
@@ -290,3 +290,18 @@ def test_log_spaced_steps_are_rank_0s_on_every_rank(matrix):
     assert all(r["status"] == "ok" for r in results(d)), results(d)
     schedules = [json.loads((d / f"schedule-rank{r}.json").read_text()) for r in range(2)]
     assert schedules[0] == schedules[1] == sorted(log_spaced_steps(5, 10)), schedules
+
+
+def test_fsdp1_bf16_parameter_mixed_precision_probes_in_bf16(matrix, tmp_path):
+    """FSDP v1 with MixedPrecision(param_dtype=bf16) over float32 weights (Lightning's FSDPStrategy
+    "bf16-mixed", accelerate's mixed_precision="bf16"): every probe is written (before the fix each run
+    stopped at step 0 with ProbeForwardBroken: block 0 met float32 activations with bf16 weights), in
+    bf16, equal within bf16 tolerance to a single process probing the final weights cast to bf16."""
+    d = cell_dir(matrix, "fsdp1_bf16_params")
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    model = final_model("fsdp1_bf16_params", d).to(torch.bfloat16)
+    pm.assert_records_equal(records[-1], pm.single_process_record(model, first_batch(d, 0), tmp_path), rtol=1e-2, atol=1e-2)
