@@ -253,6 +253,12 @@ class ProbeForwardBroken(RuntimeError):
     inside that forward's collectives: nothing can pair them again, so the run must stop."""
 
 
+class ProbeFaultEverywhere(RuntimeError):
+    """Every rank of the group raised the same fault at the same place of a probe forward (the
+    verdict on the c10d store): no collective was left unpaired, so the probe is skipped everywhere
+    and training goes on."""
+
+
 class ProbeNotReady(RuntimeError):
     """This rank cannot start a probe (the pre-probe check)."""
 
@@ -323,9 +329,15 @@ class ProbeGroup:
         self.rank = global_rank() if size > 1 else 0
         self._closed = False
         self.device = torch.device("cpu")
+        self.fault_timeout_s = FAULT_TIMEOUT_S  # how long a rank that faulted in a forward waits for the others' verdicts
+        self._stretches = 0  # collective stretches entered (the same count on every rank while they run in step)
+        self._id = 0
         if size > 1:
             import torch.distributed as dist
 
+            global _GROUPS
+            _GROUPS += 1  # every rank builds its groups in the same order (at setup): the same id everywhere
+            self._id = _GROUPS
             self.device = group_device(str(dist.get_backend()), prefer)
 
     @classmethod
@@ -396,19 +408,70 @@ class ProbeGroup:
         one rank leaves the others inside its collectives, so it becomes ``ProbeForwardBroken``.
         ``UnsupportedModelError``/``ValueError``/``TypeError`` (sinkwatch's checks of the model and the
         probe batch) pass: they come from inputs every rank shares, so every rank raises them alike."""
+        self._stretches += 1
+        stretch = self._stretches
         try:
             yield
-        except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken):
+        except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken, ProbeFaultEverywhere):
             raise
         except Exception as exc:
             if self.size == 1:
                 raise
+            verdict = self._fault_verdict(stretch, exc)
+            if verdict is None:
+                raise ProbeFaultEverywhere(
+                    f"every rank raised the same fault in {what} ({type(exc).__name__}: {exc}); the probe is skipped on every "
+                    "rank and training goes on"
+                ) from exc
             raise ProbeForwardBroken(
                 f"sinkwatch: {what} at step {step} failed on rank {self.rank} ({type(exc).__name__}: {exc}) while the other "
-                "ranks are inside its collectives; nothing can pair them again, so the run stops here instead of letting them "
-                "pair with training's collectives (a hang or silently wrong numbers). Resume from the last checkpoint; after an "
-                "out-of-memory, lower MonitorConfig(batch_tokens=...) (tokens per probe forward)."
+                f"ranks are inside its collectives ({verdict}); nothing can pair them again, so the run stops here instead of "
+                "letting them pair with training's collectives (a hang or silently wrong numbers). Resume from the last "
+                "checkpoint; after an out-of-memory, lower MonitorConfig(batch_tokens=...) (tokens per probe forward)."
             ) from exc
+
+    def _fault_verdict(self, stretch: int, exc: BaseException) -> str | None:
+        """After a fault inside a collective stretch: None when every rank of the group posted the same
+        fault at the same place of the same stretch, else why not. The verdict goes through the c10d
+        store (keys, not collectives: it cannot pair with the model's collectives another rank is still
+        inside), and waits at most ``fault_timeout_s`` for the other ranks."""
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.PrefixStore(f"sinkwatch/fault/{self._id}/{stretch}", dist.distributed_c10d._get_default_store())
+            mine = fault_signature(exc)
+            store.set(str(self.rank), mine)
+            keys = [str(r) for r in range(self.size)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=self.fault_timeout_s))
+            except Exception:  # noqa: BLE001 - a timeout: some rank never faulted here (it is inside a collective, or went on)
+                posted = [r for r in range(self.size) if store.check([str(r)])]
+                missing = sorted(set(range(self.size)) - set(posted))
+                return f"ranks {missing} raised no fault there within {self.fault_timeout_s:g} s"
+            theirs = {r: store.get(str(r)).decode() for r in range(self.size)}
+        except Exception as err:  # noqa: BLE001 - no store (never under torchrun/srun): assume the worst
+            return f"the verdict could not be reached: {type(err).__name__}: {err}"
+        differ = [r for r, sig in theirs.items() if sig != mine]
+        return None if not differ else f"ranks {differ} raised a different fault or at another place"
+
+
+FAULT_TIMEOUT_S = 60.0  # default wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
+_GROUPS = 0  # ProbeGroups of several ranks built in this process (their ids name their store keys)
+
+
+def fault_signature(exc: BaseException) -> str:
+    """What makes two ranks' faults "the same fault at the same place": the exception type, its
+    message with rank and device numbers blanked, and the line that raised it (innermost frame)."""
+    import re
+
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+    message = re.sub(r"(rank|cuda:|GPU|device)\s*\d+", r"\1 N", str(exc))
+    return f"{type(exc).__name__}: {message} @ {where}"
 
 
 class _HeldFaults:

@@ -26,6 +26,7 @@ from .distributed import (
     FAIL,
     START,
     PeerFailed,
+    ProbeFaultEverywhere,
     ProbeForwardBroken,
     ProbeGroup,
     RankFacts,
@@ -70,6 +71,8 @@ class LiveConfig:
     heatmap_every: int = 5  # W&B images/table every N probes
     console: bool = True
     raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
+    preflight: bool = True  # at setup, one sequence of each probe set: a deterministic error there disables sinkwatch for the run
+    fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict
     on_event: Callable[[dict], None] | None = None  # user hook, called with each event dict
     reporters: Sequence[Reporter] = ()  # extra reporters
 
@@ -84,6 +87,8 @@ class LiveConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float)) or not self.fault_timeout_s > 0:
+            raise ValueError(f"fault_timeout_s must be a positive number of seconds, got {self.fault_timeout_s!r}")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
         if not isinstance(self.monitor, MonitorConfig):
@@ -217,6 +222,7 @@ class LiveMonitor:
         self._probe_params: dict | None = None
         self._warned: set[str] = set()
         self._ready = False
+        self.disabled: str | None = None  # why sinkwatch disabled itself at setup (the pre-flight probe), or None
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
@@ -266,6 +272,7 @@ class LiveMonitor:
             self._compute_dtype = (fsdp1_param_dtype(outer), False)  # the units cast their own parameters: no autocast
         self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
         self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
+        self.group.fault_timeout_s = float(self.config.fault_timeout_s)
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         if self.config.log_spaced:  # one schedule for the whole run: rank 0's (ranks with unequal data estimate differently)
@@ -282,9 +289,58 @@ class LiveMonitor:
             self.reporter = self._make_reporters(wandb_run)
         self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
         self._ready = True
+        if self.config.preflight and self.rank.probes_here:
+            self._preflight()
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    def _preflight(self) -> None:
+        """One sequence of each probe set through the model at setup, on every rank that probes, in
+        step. A deterministic error there (every rank raising it, not an out-of-memory) would fail
+        every probe of the run: sinkwatch disables itself with one error line and one warning, and
+        training goes on. Probe sets that cannot be built, or that differ between ranks, are left to
+        the first probe (its error line names them); a fault only some ranks raise is too."""
+        with preserved_rng(), eager_forwards():
+            group = self.group
+            group.begin()
+            one = None
+            try:
+                sets = self._build_monitor().probe_sets(self.target.vocab_size)
+                one = Monitor([s.subset(1) for s in sets], config=self.config.monitor)
+                token = config_token(config_hash(one.probe_hashes(self.target.vocab_size), one.config))
+            except Exception:  # noqa: BLE001 - the first probe reports what cannot be built
+                token = 0
+            if not group.agree(START if one is not None else FAIL, token):
+                return
+            error: Exception | None = None
+            with group.collective(None, "the pre-flight probe"), self._gathered() as run:
+                try:
+                    with self._autocast():
+                        run(lambda: one.probe(group.guard(self.target, None, token), track=False))
+                except ProbeForwardBroken:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            if group.agree(DONE if error is None else FAIL, token):
+                return
+            local = None if error is None or isinstance(error, PeerFailed) else error
+            deterministic = local is not None and not isinstance(local, torch.OutOfMemoryError) and "out of memory" not in str(local)
+            if not all(group.gather(deterministic)):
+                return  # a fault on some ranks only, or an out-of-memory: the probes themselves will say
+            cause = local.__cause__ if isinstance(local, ProbeFaultEverywhere) and local.__cause__ is not None else local
+            msg = (
+                f"sinkwatch is disabled for this run: the pre-flight probe (one sequence of each probe set, at setup) raised "
+                f"{type(cause).__name__}: {cause}" + (" on every rank" if group.size > 1 else "") + "; every probe would fail "
+                "the same way. Training goes on unwatched. Fix the model or the probe options (raise_on_error=True shows the "
+                "traceback), or set preflight=False to try every probe anyway."
+            )
+            self._probe_step = _NoProbe()
+            self.disabled = msg
+            if self.config.raise_on_error:
+                raise RuntimeError(msg) from local
+            self._warn("preflight", msg)
+            self.reporter.log_error(None, msg)
 
     def add_reporter(self, reporter: Reporter) -> None:
         """A reporter the adapter builds from the trainer (its loggers, its report_to integrations),

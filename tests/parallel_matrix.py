@@ -23,6 +23,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -413,11 +414,13 @@ def fsdp1_bf16_params(cell: Path) -> None:
 
 
 # ---- faults on one rank of an FSDP2 run (the live core, so the steps are ours to name) --------------
-def _fsdp2_loop(cell: Path, *, steps: int, live_options: dict | None = None):
+def _fsdp2_loop(cell: Path, *, steps: int, live_options: dict | None = None, prepare=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     model = tiny_gpt2()
+    if prepare is not None:
+        prepare(model)
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
@@ -454,12 +457,46 @@ def inputs_differ(cell: Path) -> None:
         _fsdp2_loop(sub, steps=2, live_options={**options(sub), "probes": [rank1 if _rank() == 1 else natural(0)]})
 
 
+FAULT_TIMEOUT_S = 5.0  # the cells' wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
+
+
 def fault_in_model_forward(cell: Path) -> None:
-    """A fault inside the model's own forward on rank 1 (its middle block): the run must stop."""
+    """A fault inside the model's own forward on rank 1 (its middle block): the run must stop, within
+    the fault verdict's timeout (rank 0 never posts a fault: it waits inside the block's all-gather)."""
     from sinkwatch.distributed import FAULT_ENV
 
     os.environ[FAULT_ENV] = "model@1@2"
-    _fsdp2_loop(cell, steps=STEPS)
+    _fsdp2_loop(cell, steps=STEPS, live_options={**options(cell), "fault_timeout_s": FAULT_TIMEOUT_S})
+
+
+def eval_only_fault(model) -> None:
+    """A model whose blocks raise in eval mode only (trains, cannot be evaluated): block 1 raises
+    the same RuntimeError at the same line on every rank."""
+
+    def hook(module, args):
+        if not module.training:
+            raise RuntimeError("this block cannot run in eval mode")
+
+    model.transformer.h[1].register_forward_pre_hook(hook)
+
+
+def identical_faults(cell: Path) -> None:
+    """Every rank raising the same fault at the same place of a sharded probe forward: in a probe
+    (the injected model fault on both ranks at step 2) that probe is skipped everywhere and training
+    goes on; at setup (a model that cannot run in eval mode) the pre-flight probe disables sinkwatch."""
+    from sinkwatch.distributed import FAULT_ENV
+
+    sub = cell / "in_probe"
+    sub.mkdir(exist_ok=True)
+    os.environ[FAULT_ENV] = "model@0@2,model@1@2"
+    try:
+        _fsdp2_loop(sub, steps=STEPS, live_options={**options(sub), "fault_timeout_s": FAULT_TIMEOUT_S})
+    finally:
+        del os.environ[FAULT_ENV]
+    sub = cell / "preflight"
+    sub.mkdir(exist_ok=True)
+    live = _fsdp2_loop(sub, steps=STEPS, live_options={**options(sub), "fault_timeout_s": FAULT_TIMEOUT_S}, prepare=eval_only_fault)
+    (sub / f"disabled-rank{_rank()}.txt").write_text(str(live.disabled))
 
 
 # ---- issue 25: settings real runs use -------------------------------------------------------------
@@ -626,7 +663,7 @@ CELLS = {
     for f in (
         lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
-        log_spaced_schedule, fsdp1_bf16_params,
+        log_spaced_schedule, fsdp1_bf16_params, identical_faults,
     )
 }  # fmt: skip
 
@@ -641,10 +678,12 @@ def main(out: str, names: list[str]) -> None:
         faulthandler.dump_traceback_later(CELL_TIMEOUT_S, exit=True)  # a hang: every stack on stderr, then exit
         print(f"[rank {_rank()}] cell {name}", file=sys.stderr, flush=True)
         result = {"status": "ok"}
+        t0 = time.monotonic()
         try:
             CELLS[name](cell)
         except Exception as exc:  # noqa: BLE001 - the test reads what each cell raised
             result = {"status": "error", "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()}
+        result["seconds"] = time.monotonic() - t0
         (cell / f"result-rank{_rank()}.json").write_text(json.dumps(result))
         if result.get("type") == "ProbeForwardBroken":
             os._exit(3)  # the other ranks wait inside the probe's collectives: the run ends here, as training would

@@ -102,3 +102,53 @@ def test_a_short_first_batch_warns_and_the_record_says_what_the_natural_probe_ho
     assert record["natural_probe"] == {"n": 2, "seq_len": 16, "requested_n": 8, "requested_seq_len": 64}
     assert live.natural.params["n"] == 2 and live.natural.params["seq_len"] == 16
     assert live.natural.params["requested_n"] == 8 and live.natural.params["requested_seq_len"] == 64
+
+
+# ---- item 2: the pre-flight probe ----------------------------------------------------------------
+def test_a_model_that_cannot_be_probed_disables_sinkwatch_at_setup_and_trains_on(tmp_path):
+    """A model whose blocks raise in eval mode: before, every probe of the run failed (one warning, an
+    error line per probe); now the pre-flight probe at setup says it once and sinkwatch stands down."""
+    from tiny_models import build
+
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama").train()
+
+    def eval_only(module, args):
+        if not module.training:
+            raise RuntimeError("this block cannot run in eval mode")
+
+    model.model.layers[1].register_forward_pre_hook(eval_only)
+    live = LiveMonitor(LiveConfig(probes=small_probes(), every_n_steps=1, **quiet(tmp_path)))
+    with pytest.warns(RuntimeWarning, match="sinkwatch is disabled for this run.*RuntimeError: this block cannot run in eval mode"):
+        live.setup(model, is_global_zero=True)
+    assert live.disabled is not None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(2, 250, (2, 32))
+    live.step_end(0)
+    for step in (1, 2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        live.step_end(step)
+    live.train_end(2)
+    (line,) = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert line["step"] is None and "disabled for this run" in line["error"]
+    assert model.training  # left as found
+
+
+def test_the_preflight_probe_leaves_a_healthy_run_alone(tmp_path):
+    from tiny_models import build
+
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama").train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    live = LiveMonitor(LiveConfig(probes=small_probes(), **quiet(tmp_path)))
+    live.setup(model, is_global_zero=True)
+    assert live.disabled is None and live.monitor is None and model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not read_jsonl(tmp_path / "sw" / "records.jsonl")
