@@ -144,11 +144,29 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             # report_to integrations are open; their on_train_end, before ours, closes them
             self.live.train_end(state.global_step)
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:
+            # a stop decided after on_step_end (EarlyStoppingCallback in on_evaluate, a callback in on_save or on_log):
+            # probe the last trained weights now, before _finalize_training reloads the best checkpoint
+            # (load_best_model_at_end) and while the report_to integrations are open
+            self._sync_tokens(state)
+            self.live.train_end(state.global_step)
+
     def on_train_end(self, args, state, control, **kwargs):
         if self._integrations is not None:
             self._integrations.close()
         self._sync_tokens(state)
-        self.live.train_end(state.global_step)
+        if reloaded_best_model(args, state) and (self.live.last_probed_step is None or self.live.last_probed_step < state.global_step):
+            # the weights now are the best checkpoint's, not step global_step's: never record them under that step
+            warnings.warn(
+                f"sinkwatch: the Trainer reloaded the best checkpoint ({state.best_model_checkpoint}) before the end of training, "
+                f"so step {state.global_step} is not probed at the end (its weights are gone); probe that checkpoint with "
+                "`sinkwatch probe` if you need it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            self.live.train_end(state.global_step)
         self.live.finish()
         if self._hook is not None:
             self._hook.remove()
@@ -182,6 +200,12 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
     def _sync_tokens(self, state) -> None:
         if self._trainer_counts_tokens:  # the Trainer's own count, gathered over ranks (restored on resume)
             self.live.count_tokens_total(int(getattr(state, "num_input_tokens_seen", 0) or 0))
+
+
+def reloaded_best_model(args, state) -> bool:
+    """Whether the Trainer reloaded its best checkpoint before ``on_train_end``
+    (``load_best_model_at_end`` with a best checkpoint recorded)."""
+    return bool(getattr(args, "load_best_model_at_end", False)) and getattr(state, "best_model_checkpoint", None) is not None
 
 
 def data_parallel_size(args) -> int:

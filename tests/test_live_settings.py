@@ -152,3 +152,48 @@ def test_the_preflight_probe_leaves_a_healthy_run_alone(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not read_jsonl(tmp_path / "sw" / "records.jsonl")
+
+
+# ---- item 3: HF early stopping + load_best_model_at_end --------------------------------------------
+def test_early_stopping_with_the_best_model_reloaded_probes_the_last_trained_weights(tmp_path):
+    """EarlyStoppingCallback stops in on_evaluate (after on_step_end) and load_best_model_at_end reloads
+    checkpoint-1 before on_train_end: the last record must be the weights trained to step 3 (before:
+    it was checkpoint-1's numbers labelled step 3)."""
+    from tiny_models import build
+    from train_helpers import CopyDataset
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+    from sinkwatch import Monitor
+    from sinkwatch.hf import SinkWatchTrainerCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    scores = iter([1.0, 0.5, 0.25, 0.1, 0.05])  # the first evaluation is the best: checkpoint-1
+
+    def compute_metrics(_):
+        return {"score": next(scores)}
+
+    cb = SinkWatchTrainerCallback(every_n_steps=100, probes=small_probes(), **quiet(tmp_path))
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=4, learning_rate=3e-2, use_cpu=True,
+        report_to=[], eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+        metric_for_best_model="score", greater_is_better=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    model = build("llama")
+    trainer = Trainer(
+        model=model, args=args, train_dataset=CopyDataset(n=64), eval_dataset=CopyDataset(n=4, seed=1), compute_metrics=compute_metrics,
+        callbacks=[cb, EarlyStoppingCallback(early_stopping_patience=2)],
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 3], records
+
+    def probe(checkpoint):
+        from transformers import AutoModelForCausalLM
+
+        return Monitor(small_probes()).probe(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / checkpoint), track=False).to_record()
+
+    last, best = probe("checkpoint-3"), probe("checkpoint-1")
+    assert records[-1]["sink_alpha"] != best["sink_alpha"]  # the training did move the weights between the two
+    for key in ("sink_alpha", "pr", "induction_score"):
+        torch.testing.assert_close(torch.tensor(records[-1][key]), torch.tensor(last[key]), rtol=1e-5, atol=1e-6, msg=key)
