@@ -83,6 +83,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
         self._hook = None  # the forward pre-hook that reads training batches
         self._step0_pending = False  # the step-0 probe waits for the first batch (natural probe)
+        self._step0_in_forward = False  # DeepSpeed: the step-0 probe runs in the first training forward's pre-hook
         self._integrations = None  # the report_to integrations' reporter, set at train begin
         if not restored:
             _latest = weakref.ref(self)
@@ -111,6 +112,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         # before the first probe (its token count and natural probe); never the fresh state TrainerState collects at init
         if saved is not None and (self.sinkwatch_state is not None or state.global_step > 0):
             self.live.load_state_dict(saved)
+        # DeepSpeed (ZeRO-1/2): accelerate's backward runs engine.step(), so on_pre_optimizer_step comes after the first
+        # update; the step-0 probe then runs in the first training forward's pre-hook, before any backward
+        self._step0_in_forward = deepspeed_configured(args)
         if state.global_step == 0:
             # the natural probe is part of every record, step 0 included: probe once the first batch is read
             self._step0_pending = self.live.natural is None and self.config.natural and self.config.probes is None
@@ -127,6 +131,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         if isinstance(ids, torch.Tensor):
             batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
             self.live.batch_start(batch)
+            if self._step0_pending and self._step0_in_forward:  # the first batch is read; no weight has changed yet
+                self._step0_pending = False
+                self.live.step_end(0)
             if not self._trainer_counts_tokens:
                 self.live.batch_end(batch)
         return None
@@ -219,6 +226,16 @@ def data_parallel_size(args) -> int:
     for name in ("tp_size", "cp_size"):
         split *= max(1, int(getattr(pc, name, 1) or 1)) if pc is not None else 1
     return max(1, world // split)
+
+
+def deepspeed_configured(args) -> bool:
+    """Whether the Trainer runs under DeepSpeed (``TrainingArguments(deepspeed=...)``, its
+    ``hf_deepspeed_config``, or accelerate's DeepSpeed plugin): then accelerate's ``backward`` steps the
+    optimizer (``DeepSpeedEngineWrapper.backward`` runs ``engine.step()``) and the optimizer wrapper's
+    own ``step`` is a no-op, so ``on_pre_optimizer_step`` of step 0 already sees updated weights."""
+    if getattr(args, "deepspeed", None) or getattr(args, "hf_deepspeed_config", None) is not None:
+        return True
+    return getattr(getattr(args, "_accelerator_state", None), "deepspeed_plugin", None) is not None
 
 
 def zero3_configured(args) -> bool:

@@ -71,7 +71,7 @@ class LiveConfig:
     heatmap_every: int = 5  # W&B images/table every N probes
     console: bool = True
     raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
-    preflight: bool = True  # at setup, one sequence of each probe set: a deterministic error there disables sinkwatch for the run
+    preflight: bool = True  # before the first probe, one sequence of each set: a deterministic error there disables sinkwatch
     fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict
     on_event: Callable[[dict], None] | None = None  # user hook, called with each event dict
     reporters: Sequence[Reporter] = ()  # extra reporters
@@ -222,7 +222,8 @@ class LiveMonitor:
         self._probe_params: dict | None = None
         self._warned: set[str] = set()
         self._ready = False
-        self.disabled: str | None = None  # why sinkwatch disabled itself at setup (the pre-flight probe), or None
+        self.disabled: str | None = None  # why sinkwatch disabled itself (the pre-flight probe), or None
+        self._preflighted = False
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
@@ -289,15 +290,14 @@ class LiveMonitor:
             self.reporter = self._make_reporters(wandb_run)
         self._probe_step = self._probe if self.rank.probes_here else _NoProbe()
         self._ready = True
-        if self.config.preflight and self.rank.probes_here:
-            self._preflight()
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
 
     def _preflight(self) -> None:
-        """One sequence of each probe set through the model at setup, on every rank that probes, in
-        step. A deterministic error there (every rank raising it, not an out-of-memory) would fail
+        """One sequence of each probe set through the model before the first probe (not in ``setup``:
+        a model's first forward may be a collective of every rank, as composable DDP's lazy init is in
+        OLMo-core), on every rank that probes, in step. A deterministic error there (every rank raising it, not an out-of-memory) would fail
         every probe of the run: sinkwatch disables itself with one error line and one warning, and
         training goes on. Probe sets that cannot be built, or that differ between ranks, are left to
         the first probe (its error line names them); a fault only some ranks raise is too."""
@@ -330,7 +330,8 @@ class LiveMonitor:
                 return  # a fault on some ranks only, or an out-of-memory: the probes themselves will say
             cause = local.__cause__ if isinstance(local, ProbeFaultEverywhere) and local.__cause__ is not None else local
             msg = (
-                f"sinkwatch is disabled for this run: the pre-flight probe (one sequence of each probe set, at setup) raised "
+                f"sinkwatch is disabled for this run: the pre-flight probe (one sequence of each probe set, before the first "
+                f"probe) raised "
                 f"{type(cause).__name__}: {cause}" + (" on every rank" if group.size > 1 else "") + "; every probe would fail "
                 "the same way. Training goes on unwatched. Fix the model or the probe options (raise_on_error=True shows the "
                 "traceback), or set preflight=False to try every probe anyway."
@@ -491,6 +492,11 @@ class LiveMonitor:
 
     def _probe(self, step: int) -> None:
         with preserved_rng(), eager_forwards():  # reporters too: wandb.init draws its run id from Python's random
+            if self.config.preflight and not self._preflighted:
+                self._preflighted = True
+                self._preflight()
+                if self.disabled is not None:
+                    return
             self._probe_and_report(step)
 
     def _probe_and_report(self, step: int) -> None:

@@ -483,7 +483,7 @@ def eval_only_fault(model) -> None:
 def identical_faults(cell: Path) -> None:
     """Every rank raising the same fault at the same place of a sharded probe forward: in a probe
     (the injected model fault on both ranks at step 2) that probe is skipped everywhere and training
-    goes on; at setup (a model that cannot run in eval mode) the pre-flight probe disables sinkwatch."""
+    goes on; before the first probe (a model that cannot run in eval mode) the pre-flight probe disables sinkwatch."""
     from sinkwatch.distributed import FAULT_ENV
 
     sub = cell / "in_probe"

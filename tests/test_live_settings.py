@@ -107,7 +107,7 @@ def test_a_short_first_batch_warns_and_the_record_says_what_the_natural_probe_ho
 # ---- item 2: the pre-flight probe ----------------------------------------------------------------
 def test_a_model_that_cannot_be_probed_disables_sinkwatch_at_setup_and_trains_on(tmp_path):
     """A model whose blocks raise in eval mode: before, every probe of the run failed (one warning, an
-    error line per probe); now the pre-flight probe at setup says it once and sinkwatch stands down."""
+    error line per probe); now the pre-flight probe before the first probe says it once and sinkwatch stands down."""
     from tiny_models import build
 
     from sinkwatch.live import LiveConfig, LiveMonitor
@@ -121,12 +121,12 @@ def test_a_model_that_cannot_be_probed_disables_sinkwatch_at_setup_and_trains_on
 
     model.model.layers[1].register_forward_pre_hook(eval_only)
     live = LiveMonitor(LiveConfig(probes=small_probes(), every_n_steps=1, **quiet(tmp_path)))
+    live.setup(model, is_global_zero=True)
     with pytest.warns(RuntimeWarning, match="sinkwatch is disabled for this run.*RuntimeError: this block cannot run in eval mode"):
-        live.setup(model, is_global_zero=True)
+        live.step_end(0)
     assert live.disabled is not None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(2, 250, (2, 32))
-    live.step_end(0)
     for step in (1, 2):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -148,10 +148,11 @@ def test_the_preflight_probe_leaves_a_healthy_run_alone(tmp_path):
     rng = torch.get_rng_state()
     live = LiveMonitor(LiveConfig(probes=small_probes(), **quiet(tmp_path)))
     live.setup(model, is_global_zero=True)
-    assert live.disabled is None and live.monitor is None and model.training
+    live.step_end(0)
+    assert live.disabled is None and model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in read_jsonl(tmp_path / "sw" / "records.jsonl")] == [0]
 
 
 # ---- item 3: HF early stopping + load_best_model_at_end --------------------------------------------
@@ -197,3 +198,75 @@ def test_early_stopping_with_the_best_model_reloaded_probes_the_last_trained_wei
     assert records[-1]["sink_alpha"] != best["sink_alpha"]  # the training did move the weights between the two
     for key in ("sink_alpha", "pr", "induction_score"):
         torch.testing.assert_close(torch.tensor(records[-1][key]), torch.tensor(last[key]), rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ---- item 7: HF + DeepSpeed ZeRO-1/2: the optimizer steps inside backward -----------------------------
+class _NoStepOptimizer(torch.optim.SGD):
+    """accelerate's DeepSpeedOptimizerWrapper: the Trainer's ``optimizer.step()`` is a no-op."""
+
+    def step(self, closure=None):
+        return None
+
+    def engine_step(self):
+        super().step()
+        self.zero_grad()
+
+
+class _EngineWrapperStandIn:
+    """accelerate's DeepSpeedEngineWrapper.backward: ``engine.backward(loss)`` then ``engine.step()``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def backward(self, loss, sync_gradients=True, **kwargs):
+        loss.backward(**kwargs)
+        if sync_gradients:
+            self.optimizer.engine_step()
+
+
+class _ZeroTwoConfig:
+    def is_zero3(self) -> bool:
+        return False
+
+
+def test_under_deepspeed_the_step0_record_is_the_initial_weights(tmp_path):
+    import copy
+
+    from tiny_models import build
+    from train_helpers import CopyDataset
+    from transformers import Trainer, TrainingArguments
+
+    from sinkwatch.hf import SinkWatchTrainerCallback
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama")
+    initial = copy.deepcopy(model)
+    first: dict = {}
+
+    def keep_first(module, args, kwargs):
+        if module.training:
+            first.setdefault("input_ids", kwargs["input_ids"].clone())
+
+    model.register_forward_pre_hook(keep_first, with_kwargs=True)
+    opt = _NoStepOptimizer(model.parameters(), lr=0.5)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    cb = SinkWatchTrainerCallback(every_n_steps=100, **quiet(tmp_path))
+    trainer = Trainer(model=model, args=args, train_dataset=CopyDataset(n=16), callbacks=[cb], optimizers=(opt, None))
+    args.hf_deepspeed_config = _ZeroTwoConfig()  # what TrainingArguments(deepspeed=...) sets for a ZeRO-1/2 config
+    engine = _EngineWrapperStandIn(opt)
+    trainer.accelerator.backward = lambda loss, **kw: engine.backward(loss, sync_gradients=True)
+    trainer.train()
+    assert not all(torch.equal(a, b) for a, b in zip(initial.parameters(), model.parameters()))  # the stand-in did step
+    step0 = read_jsonl(tmp_path / "sw" / "records.jsonl")[0]
+    assert step0["step"] == 0
+    live = LiveMonitor(LiveConfig(**quiet(tmp_path / "single")))
+    live.setup(initial, is_global_zero=True)
+    live.batch_start({"input_ids": first["input_ids"]})
+    live.step_end(0)
+    want = read_jsonl(tmp_path / "single" / "sw" / "records.jsonl")[0]
+    for key in ("sink_alpha", "pr", "induction_score", "icl_score"):
+        torch.testing.assert_close(torch.tensor(step0[key]), torch.tensor(want[key]), rtol=1e-5, atol=1e-6, msg=key)

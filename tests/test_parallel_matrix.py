@@ -330,7 +330,7 @@ def test_the_same_fault_on_every_rank_skips_the_probe_and_training_goes_on(matri
 
 def test_a_deterministic_error_in_the_preflight_probe_disables_sinkwatch_and_training_goes_on(matrix):
     """A model that cannot run in eval mode (before: ProbeForwardBroken at the step-0 probe, the run
-    stopped): the pre-flight probe at setup fails the same way on both ranks; one error line, no probe."""
+    stopped): the pre-flight probe (before the first probe) fails the same way on both ranks; one error line, no probe."""
     d = cell_dir(matrix, "identical_faults") / "preflight"
     records = read_jsonl(d / "sw" / "records.jsonl")
     assert len(records) == 1 and records[0]["step"] is None, records
