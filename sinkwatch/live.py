@@ -29,6 +29,7 @@ from .distributed import (
     ProbeFaultEverywhere,
     ProbeForwardBroken,
     ProbeGroup,
+    ProbeNotReady,
     RankFacts,
     check_layout,
     check_probe_memory,
@@ -224,6 +225,7 @@ class LiveMonitor:
         self._ready = False
         self.disabled: str | None = None  # why sinkwatch disabled itself (the pre-flight probe), or None
         self._preflighted = False
+        self._retry_pending = False  # the last scheduled probe was skipped for lack of memory (ProbeNotReady): retried each step
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
@@ -474,12 +476,20 @@ class LiveMonitor:
     def is_due(self, step: int) -> bool:
         if self.last_probed_step is not None and step <= self.last_probed_step:
             return False  # once per optimizer step, whatever the micro-batching
+        if self._retry_pending:
+            return True  # a probe skipped for lack of memory: every step until one is written (the next scheduled one at the latest)
         cfg = self.config
         if step == 0:
             return cfg.probe_at_start
         if cfg.every_n_steps and step % cfg.every_n_steps == 0:
             return True
         return step in self._log_steps
+
+    def _scheduled(self, step: int) -> bool:
+        cfg = self.config
+        if step == 0:
+            return cfg.probe_at_start
+        return bool(cfg.every_n_steps and step % cfg.every_n_steps == 0) or step in self._log_steps
 
     def step_end(self, step: int) -> None:
         """After an optimizer step (or at step 0 before training): probe if due."""
@@ -528,10 +538,11 @@ class LiveMonitor:
                     error = exc
             ok = group.agree(DONE if error is None else FAIL, token)  # nothing is written unless every rank succeeded
         self.last_probed_step = step
+        retrying, self._retry_pending = self._retry_pending and not self._scheduled(step), False
         if not ok:
             if tracker is not None:  # the tracker never counts a probe that was not written
                 self.monitor.tracker.load_state_dict(tracker)
-            self._probe_failed(step, error)
+            self._probe_failed(step, error, retrying=retrying)
             return
         self.n_probes += 1
         record = snap.to_record()
@@ -572,26 +583,36 @@ class LiveMonitor:
             return contextlib.nullcontext()
         return torch.autocast(self.target.device.type, dtype=dtype)
 
-    def _probe_failed(self, step: int, error: Exception | None) -> None:
+    def _probe_failed(self, step: int, error: Exception | None, *, retrying: bool = False) -> None:
         """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per
-        kind of fault, training goes on (``raise_on_error``: every rank raises)."""
+        kind of fault, ``sinkwatch/probe_skipped`` to every reporter, training goes on
+        (``raise_on_error``: every rank raises). A skip for lack of memory (``ProbeNotReady`` on any
+        rank: every rank decides alike from the gathered faults) is retried at each later step until a
+        probe is written, the next scheduled one at the latest; a retry that fails again says nothing."""
         local = None if error is None or isinstance(error, PeerFailed) else f"{type(error).__name__}: {error}"
-        faults = self.group.gather((local, self.config_hash))  # every rank's own fault (None: none here) and config hash
+        # every rank's own fault (None: none here), config hash, and whether it was short of memory
+        faults = self.group.gather((local, self.config_hash, isinstance(error, ProbeNotReady)))
+        self._retry_pending = any(short for _, _, short in faults)
         if self.group.size == 1:
             msg = local or "the probe failed"
         else:
-            named = [f"rank {r}: {m}" for r, (m, _) in enumerate(faults) if m is not None]
-            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(faults))
+            named = [f"rank {r}: {m}" for r, (m, _, _) in enumerate(faults) if m is not None]
+            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h, _) in enumerate(faults))
             differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
             msg = "; ".join(named) if named else differ
             msg = f"{msg} (every rank skipped this probe; no rank wrote it)"
+        if self._retry_pending:
+            msg = f"{msg}; retried at each later step until one is written (the next scheduled probe at the latest)"
         if self.config.raise_on_error:
             if error is not None and not isinstance(error, PeerFailed):
                 raise error
             raise RuntimeError(f"sinkwatch: probe at step {step} failed: {msg}")
+        if retrying:
+            return  # the skip was reported at the scheduled step
         kind = type(error).__name__ if local is not None else "peer"
         self._warn(f"probe:{kind}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
         self.reporter.log_error(step, msg)
+        self.reporter.log_skip(step, self.tokens_at(step), msg)
 
     def finish(self) -> None:
         with preserved_rng():

@@ -270,3 +270,52 @@ def test_under_deepspeed_the_step0_record_is_the_initial_weights(tmp_path):
     want = read_jsonl(tmp_path / "single" / "sw" / "records.jsonl")[0]
     for key in ("sink_alpha", "pr", "induction_score", "icl_score"):
         torch.testing.assert_close(torch.tensor(step0[key]), torch.tensor(want[key]), rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ---- item 4: a probe skipped for lack of memory is retried, and every reporter sees the skip ---------
+def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path, monkeypatch):
+    """The pre-probe memory check says no at steps 4, 5 and 8 (mocked: no GPU here). Before: step 4
+    was lost (counted as probed, never retried) and only the console and the JSONL knew. Now step 5
+    retries (still no), step 6 probes; the next scheduled probe (8) is skipped again, with no retry
+    left before the end; W&B, the Lightning loggers and the user's reporters get
+    ``sinkwatch/probe_skipped`` at 4 and 8, W&B one alert for the run."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from tiny_models import build
+    from train_helpers import LitLM, loader, trainer
+
+    import sinkwatch.live
+    from sinkwatch.distributed import ProbeNotReady
+    from sinkwatch.lightning import SinkWatchCallback
+    from sinkwatch.reporting.base import Reporter
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    def memory(target, sets, batch_tokens, step):
+        if step in (4, 5, 8):
+            raise ProbeNotReady(f"0.10 GiB free on cuda:0, the probe's largest micro-batch needs at least 0.50 GiB (step {step})")
+
+    monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
+
+    class Skips(Reporter):
+        name = "skips"
+        seen: list = []
+
+        def log_skip(self, step, tokens, reason):
+            self.seen.append(step)
+
+    cb = SinkWatchCallback(
+        every_n_steps=4, probes=small_probes(), out_dir=str(tmp_path / "sw"), wandb="offline", console=False, reporters=[Skips()]
+    )
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer(tmp_path, [cb], max_steps=8, logger=logger).fit(LitLM(build("llama")), loader(batch_size=4, n=64))
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [(r["step"], "error" in r) for r in records] == [(0, False), (4, True), (6, False), (8, True)], records
+    assert "ProbeNotReady" in records[1]["error"] and "retried" in records[1]["error"]
+    assert Skips.seen == [4, 8]
+    with open(next((tmp_path / "csv").rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("sinkwatch/probe_skipped")]
+    assert [int(r["step"]) for r in rows] == [4, 8]
+    wb = cb.live.wandb_reporter
+    assert [a["title"] for a in wb.alerts] == ["sinkwatch: a probe was skipped"]
+    assert wb.final_summary.get("sinkwatch/probes_skipped") == 2
