@@ -101,6 +101,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             world_size=data_parallel_size(args),
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
             zero3=zero3_configured(args),  # refused at setup, as are a ZeRO-3 model and a tensor-parallel one
+            compute_dtype=mixed_precision_dtype(args),  # bf16=True / fp16=True: the probe runs under autocast in it
         )
         self._report_to_integrations(args, state, control, model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
@@ -226,6 +227,16 @@ def data_parallel_size(args) -> int:
     for name in ("tp_size", "cp_size"):
         split *= max(1, int(getattr(pc, name, 1) or 1)) if pc is not None else 1
     return max(1, world // split)
+
+
+def mixed_precision_dtype(args):
+    """The autocast dtype of ``TrainingArguments(bf16=True)`` / ``fp16=True`` (None: full precision);
+    a model whose weights are already in it is probed as it is, without autocast."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
 
 
 def deepspeed_configured(args) -> bool:

@@ -46,6 +46,15 @@ def data_parallel_size(trainer) -> int:
     return max(1, int(kwargs.get("num_replicas", trainer.world_size) or 1))
 
 
+def mixed_precision_dtype(trainer):
+    """The autocast dtype of Lightning's ``precision="bf16-mixed"`` / ``"16-mixed"`` (None otherwise:
+    ``32-true``, or ``*-true``, where the weights themselves carry the dtype)."""
+    import torch
+
+    precision = str(getattr(trainer, "precision", "") or "")
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
 def planned_steps(trainer) -> int | None:
     """Optimizer steps the fit will take, as Lightning estimates them (``max_steps``, or ``max_epochs``
     x batches per epoch / gradient accumulation, whichever is smaller); None when it cannot know
@@ -123,6 +132,7 @@ class SinkWatchCallback(Callback):
             # DeepSpeedStrategy's own flag (no deepspeed import); the parameters' ``ds_id`` and tensor-parallel
             # shards are checked in setup, which refuses such layouts on every rank before any probe
             zero3=bool(getattr(trainer.strategy, "zero_stage_3", False)),
+            compute_dtype=mixed_precision_dtype(trainer),  # bf16-mixed / 16-mixed: the probe runs under autocast in it
         )
         self._report_to_loggers(trainer)
 

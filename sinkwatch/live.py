@@ -650,6 +650,7 @@ class LiveMonitor:
             "n_probes": self.n_probes,
             "config_hash": self.config_hash,
             "tracker_since_step": self.tracker_since_step,
+            "probe_dtype": dtype_name(self._compute_dtype[0]),  # replay of a live store probes in it (--dtype not given)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -743,7 +744,7 @@ def live_probes(state: dict) -> dict:
     """What ``probes.json`` of a live store holds: the probe sets' hashes and parameters and the frozen
     natural windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
     keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
-    return {k: state[k] for k in keys}
+    return {**{k: state[k] for k in keys}, "probe_dtype": state.get("probe_dtype")}
 
 
 def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:

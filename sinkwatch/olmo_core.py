@@ -142,7 +142,10 @@ class SinkWatchCallback(Callback):
         rank0 = get_rank() == 0
         self.live = LiveMonitor(self._run_config(trainer) if rank0 else self.config)
         # FSDP2/HSDP shards show on the model itself: setup then has every rank probe together
-        self.live.setup(trainer.train_module.model, is_global_zero=rank0, max_steps=trainer.max_steps, world_size=get_world_size())
+        self.live.setup(
+            trainer.train_module.model, is_global_zero=rank0, max_steps=trainer.max_steps, world_size=get_world_size(),
+            compute_dtype=getattr(trainer.train_module, "autocast_precision", None),  # the probe runs under autocast in it
+        )  # fmt: skip
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.live.load_state_dict(state)

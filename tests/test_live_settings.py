@@ -319,3 +319,100 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     wb = cb.live.wandb_reporter
     assert [a["title"] for a in wb.alerts] == ["sinkwatch: a probe was skipped"]
     assert wb.final_summary.get("sinkwatch/probes_skipped") == 2
+
+
+# ---- item 10 (first part): the probe runs in the trainer's compute dtype -----------------------------
+def _step0_in_bf16(record: dict, model) -> None:
+    """The step-0 record is the initial weights probed under bf16 autocast: not the float32 numbers,
+    within bf16 tolerance of them, and ``probe_dtype`` says so."""
+    from sinkwatch import Monitor
+
+    assert record["probe_dtype"] == "bfloat16", record.get("probe_dtype")
+    f32 = Monitor(small_probes()).probe(model, track=False).to_record()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = Monitor(small_probes()).probe(model, track=False).to_record()
+    for key in ("sink_alpha", "induction_score"):
+        got = torch.tensor(record[key])
+        torch.testing.assert_close(got, torch.tensor(bf16[key]), rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(got, torch.tensor(f32[key])), key
+        torch.testing.assert_close(got, torch.tensor(f32[key]), rtol=5e-2, atol=5e-2, msg=key)
+
+
+def test_lightning_bf16_mixed_probes_under_autocast(tmp_path):
+    import copy
+
+    from tiny_models import build
+    from train_helpers import LitLM, loader, trainer
+
+    from sinkwatch.lightning import SinkWatchCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama")
+    initial = copy.deepcopy(model)
+    cb = SinkWatchCallback(every_n_steps=2, probes=small_probes(), **quiet(tmp_path))
+    trainer(tmp_path, [cb], max_steps=2, precision="bf16-mixed").fit(LitLM(model), loader(batch_size=4, n=16))
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2] and all("error" not in r for r in records)
+    _step0_in_bf16(records[0], initial)
+
+
+def test_hf_bf16_probes_under_autocast(tmp_path):
+    import copy
+
+    from tiny_models import build
+    from train_helpers import CopyDataset
+    from transformers import Trainer, TrainingArguments
+
+    from sinkwatch.hf import SinkWatchTrainerCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    model = build("llama")
+    initial = copy.deepcopy(model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, use_cpu=True, bf16=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    cb = SinkWatchTrainerCallback(every_n_steps=2, probes=small_probes(), **quiet(tmp_path))
+    Trainer(model=model, args=args, train_dataset=CopyDataset(n=16), callbacks=[cb]).train()
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2] and all("error" not in r for r in records)
+    _step0_in_bf16(records[0], initial)
+
+
+def test_olmo_core_autocast_precision_probes_in_bf16(tmp_path):
+    pytest.importorskip("olmo_core")
+    from olmo_core_helpers import build_trainer
+
+    from sinkwatch import InductionProbe, RepeatedRandomProbe
+    from sinkwatch.olmo_core import SinkWatchCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    probes = [InductionProbe(n=4, seq_len=64), RepeatedRandomProbe(n=4, seq_len=32)]  # fitted to its 64-id vocabulary
+    cb = SinkWatchCallback(every_n_steps=2, probes=probes, **quiet(tmp_path))
+    build_trainer(tmp_path / "run", {"sinkwatch": cb}, steps=2, autocast_precision=torch.bfloat16).fit()
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2] and all("error" not in r for r in records), records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+
+
+def test_replay_of_a_bf16_live_run_probes_in_bf16(tmp_path):
+    """The live state (and probes.json) carry probe_dtype; replay of the run's checkpoints without
+    --dtype probes in it (before: float32, a different dtype from the live records)."""
+    from test_live_equals_replay import _replay
+    from tiny_models import build
+    from train_helpers import CopyDataset
+    from transformers import Trainer, TrainingArguments
+
+    from sinkwatch.hf import SinkWatchTrainerCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, use_cpu=True, bf16=True, report_to=[],
+        save_strategy="steps", save_steps=2, save_only_model=True, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    cb = SinkWatchTrainerCallback(every_n_steps=2, probes=small_probes(), **quiet(tmp_path))
+    Trainer(model=build("llama"), args=args, train_dataset=CopyDataset(n=16), callbacks=[cb]).train()
+    live = read_jsonl(tmp_path / "sw" / "records.jsonl")[-1]
+    (replayed,) = _replay(tmp_path / "out", tmp_path / "replay", "--live-store", str(tmp_path / "sw"))
+    assert live["probe_dtype"] == replayed["dtype"] == "bfloat16", (live.get("probe_dtype"), replayed.get("dtype"))
+    torch.testing.assert_close(torch.tensor(replayed["sink_alpha"]), torch.tensor(live["sink_alpha"]), rtol=5e-2, atol=5e-2)
