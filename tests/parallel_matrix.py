@@ -518,7 +518,7 @@ def log_spaced_schedule(cell: Path) -> None:
 
 
 # ---- OLMo-core ------------------------------------------------------------------------------------
-def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: bool = False) -> None:
+def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: bool = False, autocast=None) -> None:
     import olmo_core.distributed.parallel as olmo_parallel
     from olmo_core.train.callbacks import Callback
     from olmo_core_helpers import build_trainer, metrics_log_callback, model_state, token_file
@@ -545,7 +545,10 @@ def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: boo
             cbs["first"] = FirstBatch()
             cbs["sinkwatch"] = sw = SinkWatchCallback(**options(cell))
         olmo_parallel._WORLD_MESH = None  # OLMo-core builds one world mesh per process; this one trains twice
-        trainer = build_trainer(cell / name, cbs, steps=STEPS, dp=dp, hsdp_replicas=hsdp_replicas, global_seqs=2 * dist.get_world_size())
+        trainer = build_trainer(
+            cell / name, cbs, steps=STEPS, dp=dp, hsdp_replicas=hsdp_replicas, global_seqs=2 * dist.get_world_size(),
+            autocast_precision=autocast,
+        )  # fmt: skip
         try:
             trainer.fit()
         finally:
@@ -563,6 +566,11 @@ def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: boo
 
 def olmo_fsdp2(cell: Path) -> None:
     _olmo(cell, "fsdp", compare=True)
+
+
+def olmo_fsdp2_bf16(cell: Path) -> None:
+    """OLMo-core FSDP2 with ``autocast_precision=bfloat16``: every rank probes in bf16, as it trains."""
+    _olmo(cell, "fsdp", autocast=torch.bfloat16)
 
 
 def olmo_ddp(cell: Path) -> None:
@@ -618,13 +626,13 @@ def zero3_model():
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def single_process_record(model, first: dict, tmp: Path) -> dict:
+def single_process_record(model, first: dict, tmp: Path, *, compute_dtype=None) -> dict:
     """The same live core in one process: rank 0's first batch freezes the natural windows, then one probe."""
     from sinkwatch.live import LiveConfig, LiveMonitor
     from sinkwatch.reporting.jsonl import read_jsonl
 
     live = LiveMonitor(LiveConfig(out_dir=str(tmp), wandb="disabled", console=False))
-    live.setup(model, is_global_zero=True)
+    live.setup(model, is_global_zero=True, compute_dtype=compute_dtype)
     live.batch_start(first)
     live.step_end(0)
     (record,) = read_jsonl(tmp / "records.jsonl")
@@ -663,7 +671,7 @@ CELLS = {
     for f in (
         lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
-        log_spaced_schedule, fsdp1_bf16_params, identical_faults,
+        log_spaced_schedule, fsdp1_bf16_params, identical_faults, olmo_fsdp2_bf16,
     )
 }  # fmt: skip
 

@@ -37,7 +37,7 @@ LAUNCH_TIMEOUT_S = 540
 LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end its launch goes last)
     "sharded": (2, True, ["lightning_fsdp2", "lightning_tp", "lightning_tp_mesh", "hf_tp_plan", "fsdp1_orig_params", "fsdp1_flat_params",
                           "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule", "fsdp1_bf16_params",
-                          "identical_faults",
+                          "identical_faults", "olmo_fsdp2_bf16",
                           "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
@@ -341,3 +341,16 @@ def test_a_deterministic_error_in_the_preflight_probe_disables_sinkwatch_and_tra
     for rank in (0, 1):
         assert "disabled for this run" in (d / f"disabled-rank{rank}.txt").read_text()
     assert (d / "final.pt").exists()  # training ran to the end
+
+
+def test_olmo_core_fsdp2_bf16_autocast_probes_in_bf16(matrix, tmp_path):
+    """OLMo-core FSDP2 with autocast_precision=bf16: records in bf16 (before: float32 under a bf16 run),
+    equal within bf16 tolerance to one process probing the final weights under bf16 autocast."""
+    d = cell_dir(matrix, "olmo_fsdp2_bf16")
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    want = pm.single_process_record(final_model("olmo_fsdp2_bf16", d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
+    pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)
