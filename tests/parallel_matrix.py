@@ -679,7 +679,8 @@ CELLS = {
 def main(out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     faulthandler.enable()  # a crash in native code prints the Python stack too
-    dist.init_process_group("gloo", timeout=timedelta(seconds=CELL_TIMEOUT_S))
+    # SINKWATCH_MATRIX_BACKEND: benchmarks/gpu_check.sh runs OLMo-core's default "cpu:gloo,cuda:nccl" (a CPU-only torch cannot)
+    dist.init_process_group(os.environ.get("SINKWATCH_MATRIX_BACKEND", "gloo"), timeout=timedelta(seconds=CELL_TIMEOUT_S))
     for name in names:
         cell = Path(out) / name
         cell.mkdir(parents=True, exist_ok=True)
