@@ -62,6 +62,10 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
         console: one line per probe and per event (default True).
         raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
+        preflight: one sequence of each probe set just before the first probe; a deterministic error there
+            disables sinkwatch for the run with one error line (default True).
+        fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
+            waits for the others' verdict before it stops the run (default 60).
         on_event: your hook, called with each event dict (default None).
         reporters: extra ``sinkwatch.reporting.Reporter`` instances (default ()).
     """
