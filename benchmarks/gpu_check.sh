@@ -83,6 +83,35 @@ else
   echo "FSDP v1 Lightning runs skipped: no GPU" | tee "$OUT/gpu_fsdp1.txt"
 fi
 
+# 5b. issue 25 (at most 90 s): Lightning's FSDPStrategy with bf16-mixed (FSDP parameter mixed precision: before, every run
+#     stopped at the step-0 probe), and OLMo-core's default two-backend group "cpu:gloo,cuda:nccl" (a CPU-only torch
+#     cannot initialise it): the matrix's olmo_fsdp2 cell over it, and the device sinkwatch's agreements pick from it
+if python3 -c 'import lightning' 2>/dev/null && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 1 ]; then
+  fsdp_out=$(mktemp -d)
+  stage gpu_live25.txt 45 python3 tests/fsdp1_lightning.py "$fsdp_out" --bf16
+  stage gpu_live25.txt 15 python3 tests/fsdp1_lightning.py --check "$fsdp_out" --bf16
+else
+  echo "FSDP v1 bf16-mixed Lightning run skipped: no lightning or no GPU" | tee -a "$OUT/gpu_live25.txt"
+fi
+if python3 -c 'import olmo_core' 2>/dev/null && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 1 ]; then
+  olmo_out=$(mktemp -d)
+  stage gpu_live25.txt 30 env SINKWATCH_MATRIX_BACKEND="cpu:gloo,cuda:nccl" python3 -m torch.distributed.run --nproc_per_node 2 \
+    tests/parallel_matrix.py "$olmo_out" olmo_fsdp2
+  stage gpu_live25.txt 10 python3 -c "
+import json, sys, torch
+from pathlib import Path
+from sinkwatch.distributed import group_device
+d = Path('$olmo_out') / 'olmo_fsdp2'
+res = [json.loads((d / f'result-rank{r}.json').read_text()) for r in range(2)]
+assert all(r['status'] == 'ok' for r in res), res
+steps = [json.loads(l).get('step') for l in (d / 'sw' / 'records.jsonl').read_text().splitlines()]
+assert steps == [0, 2, 4] and all('error' not in l for l in (d / 'sw' / 'records.jsonl').read_text().splitlines()), steps
+assert group_device('cpu:gloo,cuda:nccl', 'cuda').type == 'cuda' and group_device('cpu:gloo,cuda:nccl', 'cpu').type == 'cpu'
+print('olmo-core over cpu:gloo,cuda:nccl: records', steps)"
+else
+  echo "OLMo-core two-backend group skipped: no olmo_core or no GPU" | tee -a "$OUT/gpu_live25.txt"
+fi
+
 # 6. the interpreter's small cases, compiled this time (many autotune compiles: last, and bounded)
 stage gpu_small_cases.txt 90 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py -m "not gpu"
 exit "$status"

@@ -134,6 +134,74 @@ def fsdp_full_params(module) -> FullParams:
     return _fsdp_kind(module)[1]
 
 
+def fsdp1_param_dtype(module) -> torch.dtype | None:
+    """The dtype FSDP (v1) units compute in under parameter mixed precision
+    (``MixedPrecision(param_dtype=...)``: Lightning's ``FSDPStrategy(precision="bf16-mixed")``,
+    accelerate's ``mixed_precision="bf16"``), or None (no FSDP v1, or full precision).
+
+    The probe calls the model inside the root wrapper, not the root's forward: the root's own
+    parameters (embeddings, head, final norm) stay in float32 under ``summon_full_params`` while
+    each inner unit casts its own to ``param_dtype``, so the first block met float32 activations
+    with bfloat16 weights on every rank ("mixed dtype (CPU): expect parameter to have scalar type
+    of Float") and every run stopped at the step-0 probe. The probe then runs under autocast in
+    this dtype, as the units compute in training."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if module is None:
+        return None
+    dtypes = {getattr(getattr(m, "mixed_precision", None), "param_dtype", None) for m in module.modules() if isinstance(m, FSDP)}
+    dtypes.discard(None)
+    dtypes.discard(torch.float32)
+    return dtypes.pop() if len(dtypes) == 1 else (torch.bfloat16 if torch.bfloat16 in dtypes else None)
+
+
+def fsdp1_root_runner(module) -> Callable[[Callable[[], object]], object] | None:
+    """Under FSDP (v1) parameter mixed precision: a runner that calls ``fn`` (the whole probe)
+    inside the root unit's own forward, so the root's parameters are gathered and cast to
+    ``param_dtype`` exactly as in training and every inner unit computes on activations of its
+    dtype; None otherwise (``fsdp_full_params`` then gathers with ``summon_full_params``).
+
+    ``summon_full_params`` hands back full-precision parameters and autocast does not bridge the
+    gap (CPU autocast leaves ``layer_norm`` alone: bfloat16 weights on float32 activations fail),
+    so the probe runs where the root's forward would run its wrapped module: that module's
+    ``forward`` is replaced for this one call by one that restores it and runs ``fn``. Whatever
+    ``fn`` raises is re-raised after the root's forward has ended (its parameters resharded)."""
+    if fsdp1_param_dtype(module) is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = _outermost(module, FSDP)
+    if len(units) != 1:
+        return None
+    root = units[0]
+
+    def run(fn: Callable[[], object]) -> object:
+        inner = root._fsdp_wrapped_module
+        box: dict = {}
+
+        def probe_in_root(*args, **kwargs):
+            inner.__dict__.pop("forward", None)  # the probe's own forwards call the model's real forward
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the root's forward has ended
+                box["error"] = exc
+            return torch.zeros((), device=root.compute_device or "cpu")
+
+        inner.forward = probe_in_root
+        try:
+            with torch.no_grad():
+                root()
+        finally:
+            inner.__dict__.pop("forward", None)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return run
+
+
 def is_fsdp(module) -> bool:
     """Whether ``module`` holds FSDP or FSDP2 shards (then every rank probes together)."""
     return _fsdp_kind(module)[0] is not None
@@ -185,6 +253,12 @@ class ProbeForwardBroken(RuntimeError):
     inside that forward's collectives: nothing can pair them again, so the run must stop."""
 
 
+class ProbeFaultEverywhere(RuntimeError):
+    """Every rank of the group raised the same fault at the same place of a probe forward (the
+    verdict on the c10d store): no collective was left unpaired, so the probe is skipped everywhere
+    and training goes on."""
+
+
 class ProbeNotReady(RuntimeError):
     """This rank cannot start a probe (the pre-probe check)."""
 
@@ -214,6 +288,32 @@ def config_token(config_hash: str | None) -> int:
     return int(config_hash[:12], 16) if config_hash else 0
 
 
+def group_device(backend: str, prefer: torch.device | str | None = None) -> torch.device:
+    """The device of the tensors sinkwatch's collectives send over a group of ``backend``.
+
+    ``backend`` is what ``dist.get_backend()`` says: one name ("nccl", "gloo") or per-device pairs
+    ("cpu:gloo,cuda:nccl", OLMo-core's default). Each backend carries tensors of some device types
+    only (NCCL: CUDA; gloo: CPU and CUDA): ``prefer`` (the model's device) when the group carries
+    its type, else CPU when it does, else the first type it carries. Never a CPU tensor to an
+    NCCL-only group (which fails), never a needless device copy."""
+    from torch.distributed import Backend
+
+    text = backend.strip().lower()
+    if ":" in text:  # "cpu:gloo,cuda:nccl": the device types are named
+        types = [pair.split(":", 1)[0].strip() for pair in text.split(",") if pair.strip()]
+    else:
+        types = list(Backend.backend_capability.get(text, ["cpu"]))
+    want = torch.device(prefer).type if prefer is not None else None
+    kind = want if want in types else ("cpu" if "cpu" in types else types[0])
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if want == kind and prefer is not None and torch.device(prefer).index is not None:
+        return torch.device(prefer)
+    return torch.device(kind)
+
+
 class ProbeGroup:
     """The ranks that run each probe together: this rank alone (``size`` 1: nothing to agree), or
     every rank of the default process group when the parameters are sharded.
@@ -224,24 +324,30 @@ class ProbeGroup:
     of; after the first verdict that is not unanimous no rank sends another, so a rank that stops
     early never leaves one unpaired. ``gather`` then tells rank 0 who failed and why."""
 
-    def __init__(self, size: int = 1):
+    def __init__(self, size: int = 1, *, prefer: torch.device | str | None = None):
         self.size = size
         self.rank = global_rank() if size > 1 else 0
         self._closed = False
         self.device = torch.device("cpu")
+        self.fault_timeout_s = FAULT_TIMEOUT_S  # how long a rank that faulted in a forward waits for the others' verdicts
+        self._stretches = 0  # collective stretches entered (the same count on every rank while they run in step)
+        self._id = 0
         if size > 1:
             import torch.distributed as dist
 
-            if dist.get_backend() == "nccl":  # NCCL carries CUDA tensors only
-                self.device = torch.device("cuda", torch.cuda.current_device())
+            global _GROUPS
+            _GROUPS += 1  # every rank builds its groups in the same order (at setup): the same id everywhere
+            self._id = _GROUPS
+            self.device = group_device(str(dist.get_backend()), prefer)
 
     @classmethod
-    def for_rank(cls, facts: RankFacts) -> ProbeGroup:
-        """Every rank together when the parameters are sharded (and there are several ranks), else alone."""
+    def for_rank(cls, facts: RankFacts, *, prefer: torch.device | str | None = None) -> ProbeGroup:
+        """Every rank together when the parameters are sharded (and there are several ranks), else alone.
+        ``prefer``: the model's device; the agreements use it when the group carries its tensors."""
         import torch.distributed as dist
 
         if facts.sharding is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return cls(dist.get_world_size())
+            return cls(dist.get_world_size(), prefer=prefer)
         return cls(1)
 
     @property
@@ -302,19 +408,70 @@ class ProbeGroup:
         one rank leaves the others inside its collectives, so it becomes ``ProbeForwardBroken``.
         ``UnsupportedModelError``/``ValueError``/``TypeError`` (sinkwatch's checks of the model and the
         probe batch) pass: they come from inputs every rank shares, so every rank raises them alike."""
+        self._stretches += 1
+        stretch = self._stretches
         try:
             yield
-        except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken):
+        except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken, ProbeFaultEverywhere):
             raise
         except Exception as exc:
             if self.size == 1:
                 raise
+            verdict = self._fault_verdict(stretch, exc)
+            if verdict is None:
+                raise ProbeFaultEverywhere(
+                    f"every rank raised the same fault in {what} ({type(exc).__name__}: {exc}); the probe is skipped on every "
+                    "rank and training goes on"
+                ) from exc
             raise ProbeForwardBroken(
                 f"sinkwatch: {what} at step {step} failed on rank {self.rank} ({type(exc).__name__}: {exc}) while the other "
-                "ranks are inside its collectives; nothing can pair them again, so the run stops here instead of letting them "
-                "pair with training's collectives (a hang or silently wrong numbers). Resume from the last checkpoint; after an "
-                "out-of-memory, lower MonitorConfig(batch_tokens=...) (tokens per probe forward)."
+                f"ranks are inside its collectives ({verdict}); nothing can pair them again, so the run stops here instead of "
+                "letting them pair with training's collectives (a hang or silently wrong numbers). Resume from the last "
+                "checkpoint; after an out-of-memory, lower MonitorConfig(batch_tokens=...) (tokens per probe forward)."
             ) from exc
+
+    def _fault_verdict(self, stretch: int, exc: BaseException) -> str | None:
+        """After a fault inside a collective stretch: None when every rank of the group posted the same
+        fault at the same place of the same stretch, else why not. The verdict goes through the c10d
+        store (keys, not collectives: it cannot pair with the model's collectives another rank is still
+        inside), and waits at most ``fault_timeout_s`` for the other ranks."""
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.PrefixStore(f"sinkwatch/fault/{self._id}/{stretch}", dist.distributed_c10d._get_default_store())
+            mine = fault_signature(exc)
+            store.set(str(self.rank), mine)
+            keys = [str(r) for r in range(self.size)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=self.fault_timeout_s))
+            except Exception:  # noqa: BLE001 - a timeout: some rank never faulted here (it is inside a collective, or went on)
+                posted = [r for r in range(self.size) if store.check([str(r)])]
+                missing = sorted(set(range(self.size)) - set(posted))
+                return f"ranks {missing} raised no fault there within {self.fault_timeout_s:g} s"
+            theirs = {r: store.get(str(r)).decode() for r in range(self.size)}
+        except Exception as err:  # noqa: BLE001 - no store (never under torchrun/srun): assume the worst
+            return f"the verdict could not be reached: {type(err).__name__}: {err}"
+        differ = [r for r, sig in theirs.items() if sig != mine]
+        return None if not differ else f"ranks {differ} raised a different fault or at another place"
+
+
+FAULT_TIMEOUT_S = 60.0  # default wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
+_GROUPS = 0  # ProbeGroups of several ranks built in this process (their ids name their store keys)
+
+
+def fault_signature(exc: BaseException) -> str:
+    """What makes two ranks' faults "the same fault at the same place": the exception type, its
+    message with rank and device numbers blanked, and the line that raised it (innermost frame)."""
+    import re
+
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+    message = re.sub(r"(rank|cuda:|GPU|device)\s*\d+", r"\1 N", str(exc))
+    return f"{type(exc).__name__}: {message} @ {where}"
 
 
 class _HeldFaults:

@@ -62,6 +62,10 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
         console: one line per probe and per event (default True).
         raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
+        preflight: one sequence of each probe set just before the first probe; a deterministic error there
+            disables sinkwatch for the run with one error line (default True).
+        fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
+            waits for the others' verdict before it stops the run (default 60).
         on_event: your hook, called with each event dict (default None).
         reporters: extra ``sinkwatch.reporting.Reporter`` instances (default ()).
     """
@@ -83,6 +87,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
         self._hook = None  # the forward pre-hook that reads training batches
         self._step0_pending = False  # the step-0 probe waits for the first batch (natural probe)
+        self._step0_in_forward = False  # DeepSpeed: the step-0 probe runs in the first training forward's pre-hook
         self._integrations = None  # the report_to integrations' reporter, set at train begin
         if not restored:
             _latest = weakref.ref(self)
@@ -100,6 +105,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             world_size=data_parallel_size(args),
             wandb_run=None,  # the WandbCallback's run, if any, is wandb.run by now
             zero3=zero3_configured(args),  # refused at setup, as are a ZeRO-3 model and a tensor-parallel one
+            compute_dtype=mixed_precision_dtype(args),  # bf16=True / fp16=True: the probe runs under autocast in it
         )
         self._report_to_integrations(args, state, control, model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
@@ -111,6 +117,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         # before the first probe (its token count and natural probe); never the fresh state TrainerState collects at init
         if saved is not None and (self.sinkwatch_state is not None or state.global_step > 0):
             self.live.load_state_dict(saved)
+        # DeepSpeed (ZeRO-1/2): accelerate's backward runs engine.step(), so on_pre_optimizer_step comes after the first
+        # update; the step-0 probe then runs in the first training forward's pre-hook, before any backward
+        self._step0_in_forward = deepspeed_configured(args)
         if state.global_step == 0:
             # the natural probe is part of every record, step 0 included: probe once the first batch is read
             self._step0_pending = self.live.natural is None and self.config.natural and self.config.probes is None
@@ -127,6 +136,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         if isinstance(ids, torch.Tensor):
             batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
             self.live.batch_start(batch)
+            if self._step0_pending and self._step0_in_forward:  # the first batch is read; no weight has changed yet
+                self._step0_pending = False
+                self.live.step_end(0)
             if not self._trainer_counts_tokens:
                 self.live.batch_end(batch)
         return None
@@ -144,11 +156,29 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             # report_to integrations are open; their on_train_end, before ours, closes them
             self.live.train_end(state.global_step)
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:
+            # a stop decided after on_step_end (EarlyStoppingCallback in on_evaluate, a callback in on_save or on_log):
+            # probe the last trained weights now, before _finalize_training reloads the best checkpoint
+            # (load_best_model_at_end) and while the report_to integrations are open
+            self._sync_tokens(state)
+            self.live.train_end(state.global_step)
+
     def on_train_end(self, args, state, control, **kwargs):
         if self._integrations is not None:
             self._integrations.close()
         self._sync_tokens(state)
-        self.live.train_end(state.global_step)
+        if reloaded_best_model(args, state) and (self.live.last_probed_step is None or self.live.last_probed_step < state.global_step):
+            # the weights now are the best checkpoint's, not step global_step's: never record them under that step
+            warnings.warn(
+                f"sinkwatch: the Trainer reloaded the best checkpoint ({state.best_model_checkpoint}) before the end of training, "
+                f"so step {state.global_step} is not probed at the end (its weights are gone); probe that checkpoint with "
+                "`sinkwatch probe` if you need it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            self.live.train_end(state.global_step)
         self.live.finish()
         if self._hook is not None:
             self._hook.remove()
@@ -184,6 +214,12 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             self.live.count_tokens_total(int(getattr(state, "num_input_tokens_seen", 0) or 0))
 
 
+def reloaded_best_model(args, state) -> bool:
+    """Whether the Trainer reloaded its best checkpoint before ``on_train_end``
+    (``load_best_model_at_end`` with a best checkpoint recorded)."""
+    return bool(getattr(args, "load_best_model_at_end", False)) and getattr(state, "best_model_checkpoint", None) is not None
+
+
 def data_parallel_size(args) -> int:
     """Ranks that read distinct batches: the world size divided by the tensor- (and context-)
     parallel degrees of ``TrainingArguments.parallelism_config`` (accelerate's ParallelismConfig),
@@ -195,6 +231,26 @@ def data_parallel_size(args) -> int:
     for name in ("tp_size", "cp_size"):
         split *= max(1, int(getattr(pc, name, 1) or 1)) if pc is not None else 1
     return max(1, world // split)
+
+
+def mixed_precision_dtype(args):
+    """The autocast dtype of ``TrainingArguments(bf16=True)`` / ``fp16=True`` (None: full precision);
+    a model whose weights are already in it is probed as it is, without autocast."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def deepspeed_configured(args) -> bool:
+    """Whether the Trainer runs under DeepSpeed (``TrainingArguments(deepspeed=...)``, its
+    ``hf_deepspeed_config``, or accelerate's DeepSpeed plugin): then accelerate's ``backward`` steps the
+    optimizer (``DeepSpeedEngineWrapper.backward`` runs ``engine.step()``) and the optimizer wrapper's
+    own ``step`` is a no-op, so ``on_pre_optimizer_step`` of step 0 already sees updated weights."""
+    if getattr(args, "deepspeed", None) or getattr(args, "hf_deepspeed_config", None) is not None:
+        return True
+    return getattr(getattr(args, "_accelerator_state", None), "deepspeed_plugin", None) is not None
 
 
 def zero3_configured(args) -> bool:

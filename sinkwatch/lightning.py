@@ -46,6 +46,15 @@ def data_parallel_size(trainer) -> int:
     return max(1, int(kwargs.get("num_replicas", trainer.world_size) or 1))
 
 
+def mixed_precision_dtype(trainer):
+    """The autocast dtype of Lightning's ``precision="bf16-mixed"`` / ``"16-mixed"`` (None otherwise:
+    ``32-true``, or ``*-true``, where the weights themselves carry the dtype)."""
+    import torch
+
+    precision = str(getattr(trainer, "precision", "") or "")
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
 def planned_steps(trainer) -> int | None:
     """Optimizer steps the fit will take, as Lightning estimates them (``max_steps``, or ``max_epochs``
     x batches per epoch / gradient accumulation, whichever is smaller); None when it cannot know
@@ -101,6 +110,10 @@ class SinkWatchCallback(Callback):
         heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
         console: one line per probe and per event (default True).
         raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
+        preflight: one sequence of each probe set just before the first probe; a deterministic error there
+            disables sinkwatch for the run with one error line (default True).
+        fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
+            waits for the others' verdict before it stops the run (default 60).
         on_event: your hook, called with each event dict (default None).
         reporters: extra ``sinkwatch.reporting.Reporter`` instances (default ()).
     """
@@ -123,6 +136,7 @@ class SinkWatchCallback(Callback):
             # DeepSpeedStrategy's own flag (no deepspeed import); the parameters' ``ds_id`` and tensor-parallel
             # shards are checked in setup, which refuses such layouts on every rank before any probe
             zero3=bool(getattr(trainer.strategy, "zero_stage_3", False)),
+            compute_dtype=mixed_precision_dtype(trainer),  # bf16-mixed / 16-mixed: the probe runs under autocast in it
         )
         self._report_to_loggers(trainer)
 

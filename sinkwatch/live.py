@@ -26,13 +26,17 @@ from .distributed import (
     FAIL,
     START,
     PeerFailed,
+    ProbeFaultEverywhere,
     ProbeForwardBroken,
     ProbeGroup,
+    ProbeNotReady,
     RankFacts,
     check_layout,
     check_probe_memory,
     config_token,
     fault_point,
+    fsdp1_param_dtype,
+    fsdp1_root_runner,
     fsdp_full_params,
     rank_facts,
 )
@@ -68,6 +72,8 @@ class LiveConfig:
     heatmap_every: int = 5  # W&B images/table every N probes
     console: bool = True
     raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
+    preflight: bool = True  # before the first probe, one sequence of each set: a deterministic error there disables sinkwatch
+    fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict
     on_event: Callable[[dict], None] | None = None  # user hook, called with each event dict
     reporters: Sequence[Reporter] = ()  # extra reporters
 
@@ -82,6 +88,8 @@ class LiveConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float)) or not self.fault_timeout_s > 0:
+            raise ValueError(f"fault_timeout_s must be a positive number of seconds, got {self.fault_timeout_s!r}")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
         if not isinstance(self.monitor, MonitorConfig):
@@ -228,6 +236,8 @@ class LiveMonitor:
         self.monitor: Monitor | None = None
         self.target: ProbeTarget | None = None
         self._full_params = contextlib.nullcontext
+        self._in_root = None
+        self._compute_dtype: tuple[torch.dtype, bool] = (torch.float32, False)  # the probe's dtype, and whether autocast makes it
         self.reporter: Reporter = Reporter()
         self._probe_step = _NoProbe()
         self.natural: ProbeSet | None = None
@@ -242,6 +252,9 @@ class LiveMonitor:
         self._probe_params: dict | None = None
         self._warned: set[str] = set()
         self._ready = False
+        self.disabled: str | None = None  # why sinkwatch disabled itself (the pre-flight probe), or None
+        self._preflighted = False
+        self._retry_pending = False  # the last scheduled probe was skipped for lack of memory (ProbeNotReady): retried each step
         self.wandb_reporter = None
         self.jsonl: JSONLReporter | None = None
         self.world_size = 1
@@ -261,6 +274,7 @@ class LiveMonitor:
         world_size: int = 1,
         wandb_run=None,
         zero3: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """At fit start. Resolves the model and refuses a layout no rank can probe (tensor
         parallelism; DeepSpeed ZeRO-3: ``zero3`` when the framework's config says stage 3) — a clear
@@ -272,15 +286,29 @@ class LiveMonitor:
         hang). ``wrapped``: the model as the training strategy wraps it, where FSDP shards show
         (Lightning's ``trainer.strategy.model``); None: ``model`` itself. FSDP (v1) gathers through
         it: the root wrapper sits there, outside ``model`` (an inner unit alone would leave the rest
-        sharded)."""
+        sharded).
+
+        ``compute_dtype``: the dtype the trainer computes in under mixed precision (Lightning's
+        ``bf16-mixed``, ``TrainingArguments(bf16=True)``, OLMo-core's ``autocast_precision``); the probe
+        forwards then run under autocast in it, statistics accumulating in float32, and records say
+        ``probe_dtype``. None: FSDP v1 parameter mixed precision's ``param_dtype`` if any, else the
+        model's own dtype (no autocast)."""
         self.target = resolve_target(model)
         outer = wrapped if wrapped is not None else model
         check_layout(outer, zero3=zero3)
         self._full_params = fsdp_full_params(outer)
+        # FSDP v1 parameter mixed precision: the whole probe runs inside the root unit's forward (as the units compute in training)
+        self._in_root = fsdp1_root_runner(outer)
+        self._compute_dtype = probe_compute_dtype(self.target.module, compute_dtype)
+        if self._in_root is not None and compute_dtype is None:
+            self._compute_dtype = (fsdp1_param_dtype(outer), False)  # the units cast their own parameters: no autocast
         self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
-        self.group = ProbeGroup.for_rank(self.rank)
+        self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
+        self.group.fault_timeout_s = float(self.config.fault_timeout_s)
         self.world_size = self.rank.world_size
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
+        if self.config.log_spaced:  # one schedule for the whole run: rank 0's (ranks with unequal data estimate differently)
+            self.max_steps = shared_max_steps(self.max_steps, self.target.device)
         self._log_steps = log_spaced_steps(self.config.log_spaced, self.max_steps) if self.config.log_spaced and self.max_steps else set()
         if self.config.log_spaced and self.max_steps is None:
             self._warn(
@@ -296,6 +324,55 @@ class LiveMonitor:
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    def _preflight(self) -> None:
+        """One sequence of each probe set through the model before the first probe (not in ``setup``:
+        a model's first forward may be a collective of every rank, as composable DDP's lazy init is in
+        OLMo-core), on every rank that probes, in step. A deterministic error there (every rank raising it, not an out-of-memory) would fail
+        every probe of the run: sinkwatch disables itself with one error line and one warning, and
+        training goes on. Probe sets that cannot be built, or that differ between ranks, are left to
+        the first probe (its error line names them); a fault only some ranks raise is too."""
+        with preserved_rng(), eager_forwards():
+            group = self.group
+            group.begin()
+            one = None
+            try:
+                sets = self._build_monitor().probe_sets(self.target.vocab_size)
+                one = Monitor([s.subset(1) for s in sets], config=self.config.monitor)
+                token = config_token(config_hash(one.probe_hashes(self.target.vocab_size), one.config))
+            except Exception:  # noqa: BLE001 - the first probe reports what cannot be built
+                token = 0
+            if not group.agree(START if one is not None else FAIL, token):
+                return
+            error: Exception | None = None
+            with group.collective(None, "the pre-flight probe"), self._gathered() as run:
+                try:
+                    with self._autocast():
+                        run(lambda: one.probe(group.guard(self.target, None, token), track=False))
+                except ProbeForwardBroken:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+            if group.agree(DONE if error is None else FAIL, token):
+                return
+            local = None if error is None or isinstance(error, PeerFailed) else error
+            deterministic = local is not None and not isinstance(local, torch.OutOfMemoryError) and "out of memory" not in str(local)
+            if not all(group.gather(deterministic)):
+                return  # a fault on some ranks only, or an out-of-memory: the probes themselves will say
+            cause = local.__cause__ if isinstance(local, ProbeFaultEverywhere) and local.__cause__ is not None else local
+            msg = (
+                f"sinkwatch is disabled for this run: the pre-flight probe (one sequence of each probe set, before the first "
+                f"probe) raised "
+                f"{type(cause).__name__}: {cause}" + (" on every rank" if group.size > 1 else "") + "; every probe would fail "
+                "the same way. Training goes on unwatched. Fix the model or the probe options (raise_on_error=True shows the "
+                "traceback), or set preflight=False to try every probe anyway."
+            )
+            self._probe_step = _NoProbe()
+            self.disabled = msg
+            if self.config.raise_on_error:
+                raise RuntimeError(msg) from local
+            self._warn("preflight", msg)
+            self.reporter.log_error(None, msg)
 
     def add_reporter(self, reporter: Reporter) -> None:
         """A reporter the adapter builds from the trainer (its loggers, its report_to integrations),
@@ -389,14 +466,33 @@ class LiveMonitor:
         if windows.shape[0] < 1:
             self._warn("natural", "sinkwatch: the first training batch is too short for natural windows; natural probe skipped")
             return None
+        self._warn_short_windows(windows)
         return windows
+
+    def _warn_short_windows(self, windows: torch.Tensor) -> None:
+        """One warning when the first batch gives fewer or shorter windows than asked (issue 25)."""
+        cfg = self.config
+        m, T = windows.shape
+        if m < cfg.natural_n or T < cfg.natural_seq_len:
+            self._warn(
+                "natural-short",
+                f"sinkwatch: the first training batch gives {m} natural windows of {T} tokens where {cfg.natural_n} x "
+                f"{cfg.natural_seq_len} were asked; the natural probe is frozen from it (step 0 is probed before any later "
+                "batch arrives, and every record uses the same windows), so later, longer batches change nothing. Records say "
+                "natural_probe {n, seq_len}. Lower natural_n / natural_seq_len, make the first batch longer, or pass "
+                "probes=[..., make_natural_probe(tokens, n, seq_len)] built from your data.",
+            )
 
     def _natural_probe(self, windows: torch.Tensor) -> ProbeSet:
         n, T = windows.shape
         bos = getattr(getattr(self.target.module, "config", None), "bos_token_id", None)
         if bos is not None and bool((windows[:, 0] == int(bos)).all()):  # BOS windows: the probe's params say so
-            return make_natural_probe(windows[:, 1:], n=n, seq_len=T, bos_token_id=int(bos), source="first training batch")
-        return make_natural_probe(windows, n=n, seq_len=T, source="first training batch")
+            probe = make_natural_probe(windows[:, 1:], n=n, seq_len=T, bos_token_id=int(bos), source="first training batch")
+        else:
+            probe = make_natural_probe(windows, n=n, seq_len=T, source="first training batch")
+        # what was asked beside what the first batch gave (n, seq_len): a short first batch shows in the record
+        probe.params.update({"requested_n": self.config.natural_n, "requested_seq_len": self.config.natural_seq_len})
+        return probe
 
     def tokens_at(self, step: int) -> int | None:
         """Tokens seen by ``step``; None (recorded as null, one warning) when no batch could be counted."""
@@ -417,12 +513,20 @@ class LiveMonitor:
     def is_due(self, step: int) -> bool:
         if self.last_probed_step is not None and step <= self.last_probed_step:
             return False  # once per optimizer step, whatever the micro-batching
+        if self._retry_pending:
+            return True  # a probe skipped for lack of memory: every step until one is written (the next scheduled one at the latest)
         cfg = self.config
         if step == 0:
             return cfg.probe_at_start
         if cfg.every_n_steps and step % cfg.every_n_steps == 0:
             return True
         return step in self._log_steps
+
+    def _scheduled(self, step: int) -> bool:
+        cfg = self.config
+        if step == 0:
+            return cfg.probe_at_start
+        return bool(cfg.every_n_steps and step % cfg.every_n_steps == 0) or step in self._log_steps
 
     def step_end(self, step: int) -> None:
         """After an optimizer step (or at step 0 before training): probe if due."""
@@ -434,7 +538,12 @@ class LiveMonitor:
             self._probe_step(step)
 
     def _probe(self, step: int) -> None:
-        with preserved_rng():  # reporters too: wandb.init draws its run id from Python's random
+        with preserved_rng(), eager_forwards():  # reporters too: wandb.init draws its run id from Python's random
+            if self.config.preflight and not self._preflighted:
+                self._preflighted = True
+                self._preflight()
+                if self.disabled is not None:
+                    return
             self._probe_and_report(step)
 
     def _probe_and_report(self, step: int) -> None:
@@ -455,9 +564,10 @@ class LiveMonitor:
         token = config_token(self.config_hash)
         ok = group.agree(START if error is None else FAIL, token)  # one go/no-go, same probe sets on every rank
         if ok:
-            with group.collective(step, "gathering the full parameters"), self._full_params():  # FSDP v1: a collective
+            with group.collective(step, "gathering the full parameters"), self._gathered() as run:  # FSDP v1: a collective
                 try:
-                    snap = self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens)
+                    with self._autocast():
+                        snap = run(lambda: self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens))
                     fault_point("after", step)
                 except ProbeForwardBroken:
                     raise  # the other ranks wait inside a forward: never go on to training's collectives out of step
@@ -465,15 +575,20 @@ class LiveMonitor:
                     error = exc
             ok = group.agree(DONE if error is None else FAIL, token)  # nothing is written unless every rank succeeded
         self.last_probed_step = step
+        retrying, self._retry_pending = self._retry_pending and not self._scheduled(step), False
         if not ok:
             if tracker is not None:  # the tracker never counts a probe that was not written
                 self.monitor.tracker.load_state_dict(tracker)
-            self._probe_failed(step, error)
+            self._probe_failed(step, error, retrying=retrying)
             return
         self.n_probes += 1
         record = snap.to_record()
         record["config_hash"] = self.config_hash
         record["tracker_since_step"] = self.tracker_since_step
+        record["probe_dtype"] = dtype_name(self._compute_dtype[0])
+        if self.natural is not None:  # what the natural windows hold, beside what was asked (a short first batch)
+            keys = ("n", "seq_len", "requested_n", "requested_seq_len")
+            record["natural_probe"] = {k: self.natural.params[k] for k in keys if k in self.natural.params}
         if _has_non_finite(snap.values):
             self._warn(
                 "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
@@ -488,26 +603,53 @@ class LiveMonitor:
                 except Exception as exc:  # noqa: BLE001
                     self._warn("hook", f"sinkwatch: the on_event hook raised {type(exc).__name__}: {exc}; ignored")
 
-    def _probe_failed(self, step: int, error: Exception | None) -> None:
+    @contextlib.contextmanager
+    def _gathered(self):
+        """Where the probe runs: inside the FSDP v1 root's forward (parameter mixed precision), or in
+        ``summon_full_params`` on the outermost units (FSDP v1), or as is; yields ``run(fn)``."""
+        if self._in_root is not None:
+            yield self._in_root
+        else:
+            with self._full_params():
+                yield lambda fn: fn()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The probe forwards in the trainer's compute dtype (autocast), or as the model is."""
+        dtype, cast = self._compute_dtype
+        if not cast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.target.device.type, dtype=dtype)
+
+    def _probe_failed(self, step: int, error: Exception | None, *, retrying: bool = False) -> None:
         """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per
-        kind of fault, training goes on (``raise_on_error``: every rank raises)."""
+        kind of fault, ``sinkwatch/probe_skipped`` to every reporter, training goes on
+        (``raise_on_error``: every rank raises). A skip for lack of memory (``ProbeNotReady`` on any
+        rank: every rank decides alike from the gathered faults) is retried at each later step until a
+        probe is written, the next scheduled one at the latest; a retry that fails again says nothing."""
         local = None if error is None or isinstance(error, PeerFailed) else f"{type(error).__name__}: {error}"
-        faults = self.group.gather((local, self.config_hash))  # every rank's own fault (None: none here) and config hash
+        # every rank's own fault (None: none here), config hash, and whether it was short of memory
+        faults = self.group.gather((local, self.config_hash, isinstance(error, ProbeNotReady)))
+        self._retry_pending = any(short for _, _, short in faults)
         if self.group.size == 1:
             msg = local or "the probe failed"
         else:
-            named = [f"rank {r}: {m}" for r, (m, _) in enumerate(faults) if m is not None]
-            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(faults))
+            named = [f"rank {r}: {m}" for r, (m, _, _) in enumerate(faults) if m is not None]
+            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h, _) in enumerate(faults))
             differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
             msg = "; ".join(named) if named else differ
             msg = f"{msg} (every rank skipped this probe; no rank wrote it)"
+        if self._retry_pending:
+            msg = f"{msg}; retried at each later step until one is written (the next scheduled probe at the latest)"
         if self.config.raise_on_error:
             if error is not None and not isinstance(error, PeerFailed):
                 raise error
             raise RuntimeError(f"sinkwatch: probe at step {step} failed: {msg}")
+        if retrying:
+            return  # the skip was reported at the scheduled step
         kind = type(error).__name__ if local is not None else "peer"
         self._warn(f"probe:{kind}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
         self.reporter.log_error(step, msg)
+        self.reporter.log_skip(step, self.tokens_at(step), msg)
 
     def finish(self) -> None:
         with preserved_rng():
@@ -545,6 +687,7 @@ class LiveMonitor:
             "n_probes": self.n_probes,
             "config_hash": self.config_hash,
             "tracker_since_step": self.tracker_since_step,
+            "probe_dtype": dtype_name(self._compute_dtype[0]),  # replay of a live store probes in it (--dtype not given)
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -590,11 +733,55 @@ class LiveMonitor:
                 self.monitor.tracker.load_state_dict(tracker)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the record's ``probe_dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def probe_compute_dtype(module, compute_dtype: torch.dtype | None) -> tuple[torch.dtype, bool]:
+    """(the dtype the probe forward computes in, whether autocast must make it so). The model's own
+    floating dtype when no compute dtype is given or it equals that (bf16-true weights: no autocast)."""
+    own = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    if compute_dtype is None or compute_dtype == own:
+        return own, False
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise TypeError(f"compute_dtype must be a floating torch.dtype (torch.bfloat16, torch.float16), got {compute_dtype!r}")
+    return compute_dtype, True
+
+
+def shared_max_steps(max_steps: int | None, device: torch.device) -> int | None:
+    """Rank 0's planned number of optimizer steps on every rank of the default process group (a
+    collective every rank runs at setup; alone: ``max_steps`` itself). Each rank's trainer estimates
+    the run from its own data (Lightning's ``estimated_stepping_batches``), and log-spaced steps
+    computed from unequal estimates would send one rank into a probe the others never start."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return max_steps
+    from .distributed import group_device
+
+    on = group_device(str(dist.get_backend()), device)
+    value = torch.tensor([max_steps if max_steps is not None else -1], dtype=torch.int64, device=on)
+    dist.broadcast(value, src=0)
+    steps = int(value.item())
+    return steps if steps > 0 else None
+
+
+def eager_forwards() -> contextlib.AbstractContextManager:
+    """Probe forwards run eagerly through compiled modules (``torch.compiler.set_stance("force_eager")``):
+    under per-block ``torch.compile`` (OLMo-core's ``apply_compile``, ``module.compile()``) Dynamo
+    would otherwise trace each block again with sinkwatch's hooks on it (2 -> 44 graphs after one
+    probe of a 2-block model), and a ``fullgraph=True`` block would fail the probe. Training's own
+    graphs stay as they were; the stance is restored on the way out."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def live_probes(state: dict) -> dict:
     """What ``probes.json`` of a live store holds: the probe sets' hashes and parameters and the frozen
     natural windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
     keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
-    return {k: state[k] for k in keys}
+    return {**{k: state[k] for k in keys}, "probe_dtype": state.get("probe_dtype")}
 
 
 def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:

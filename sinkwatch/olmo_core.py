@@ -64,6 +64,11 @@ class TrainerMetricsReporter(Reporter):
         for name, value in values.items():
             self.trainer.record_metric(name, float(value), reduce_type=None, merge_strategy=MetricMergeStrategy.latest)
 
+    def log_skip(self, step: int, tokens: int | None, reason: str) -> None:
+        from olmo_core.train.common import MetricMergeStrategy
+
+        self.trainer.record_metric("sinkwatch/probe_skipped", 1.0, reduce_type=None, merge_strategy=MetricMergeStrategy.latest)
+
 
 class SlackReporter(Reporter):
     """Stage events to a Slack incoming webhook (the one OLMo-core's Slack notifier posts to)."""
@@ -95,6 +100,9 @@ def _wandb_alerts_reporter(run, heatmap_every: int) -> Reporter:
     class WandbAlertsReporter(WandbReporter):
         def log_record(self, record: dict[str, Any]) -> None:
             pass
+
+        def _log_skip_scalars(self, run, data: dict) -> None:
+            pass  # the scalar reaches the run through record_metric (TrainerMetricsReporter.log_skip)
 
         def finish(self) -> None:
             pass  # the W&B callback finishes its own run
@@ -134,7 +142,10 @@ class SinkWatchCallback(Callback):
         rank0 = get_rank() == 0
         self.live = LiveMonitor(self._run_config(trainer) if rank0 else self.config)
         # FSDP2/HSDP shards show on the model itself: setup then has every rank probe together
-        self.live.setup(trainer.train_module.model, is_global_zero=rank0, max_steps=trainer.max_steps, world_size=get_world_size())
+        self.live.setup(
+            trainer.train_module.model, is_global_zero=rank0, max_steps=trainer.max_steps, world_size=get_world_size(),
+            compute_dtype=getattr(trainer.train_module, "autocast_precision", None),  # the probe runs under autocast in it
+        )  # fmt: skip
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.live.load_state_dict(state)

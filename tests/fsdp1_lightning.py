@@ -3,8 +3,8 @@ the LightningModule) with SinkWatchCallback at its defaults (natural probe on), 
 matrix cells fsdp1_* run the same gather through the live core on CPU, because FSDPStrategy refuses
 CPU. Run by benchmarks/gpu_check.sh:
 
-    python tests/fsdp1_lightning.py OUT_DIR [--flat]     (--flat: use_orig_params=False)
-    python tests/fsdp1_lightning.py --check OUT_DIR      (records equal a single-process run)
+    python tests/fsdp1_lightning.py OUT_DIR [--flat] [--bf16]   (--flat: use_orig_params=False; --bf16: precision="bf16-mixed")
+    python tests/fsdp1_lightning.py --check OUT_DIR [--bf16]    (records equal a single-process run)
 
 Each rank reads its own rows (tests/parallel_matrix.py ``rows``: the first batches differ by rank);
 rank 0 saves its first batch and the gathered final weights for the single-process comparison.
@@ -27,7 +27,7 @@ from sinkwatch.lightning import SinkWatchCallback  # noqa: E402
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def main(out: str, flat: bool) -> None:
+def main(out: str, flat: bool, bf16: bool = False) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -47,6 +47,7 @@ def main(out: str, flat: bool) -> None:
     strategy = FSDPStrategy(auto_wrap_policy={GPT2Block}, state_dict_type="full", use_orig_params=not flat)
     trainer = pl.Trainer(
         accelerator="gpu", devices=min(2, torch.cuda.device_count()), strategy=strategy, max_steps=pm.STEPS, callbacks=[FirstBatch(), cb],
+        precision="bf16-mixed" if bf16 else "32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(cell),
     )  # fmt: skip
     trainer.fit(lit, torch.utils.data.DataLoader(pm.rows(rank), batch_size=pm.BATCH, collate_fn=pm.collate))
@@ -58,9 +59,11 @@ def main(out: str, flat: bool) -> None:
         torch.save(seen["first"], cell / "first-rank0.pt")
 
 
-def check(out: str) -> None:
+def check(out: str, bf16: bool = False) -> None:
     """The records, written once by rank 0, equal the same core run in one process on rank 0's first
-    batch and the final weights (on the same GPU: the same statistics backend)."""
+    batch and the final weights (on the same GPU: the same statistics backend). ``bf16``: the run used
+    ``bf16-mixed`` (FSDP parameter mixed precision): records say bfloat16 and equal one process under
+    bf16 autocast within bf16 tolerance (issue 25: before, every such run stopped at the step-0 probe)."""
     from sinkwatch.reporting.jsonl import read_jsonl
 
     cell = Path(out)
@@ -69,13 +72,16 @@ def check(out: str) -> None:
     model = pm.tiny_gpt2()
     model.load_state_dict(torch.load(cell / "final.pt", weights_only=True))
     first = torch.load(cell / "first-rank0.pt", weights_only=True)
-    single = pm.single_process_record(model.cuda().eval(), first, Path(tempfile.mkdtemp()))
-    pm.assert_records_equal(records[-1], single, rtol=RTOL, atol=ATOL)
-    print(f"fsdp1 lightning ({cell.name}): records equal a single-process run on rank 0's windows")
+    dtype = torch.bfloat16 if bf16 else None
+    single = pm.single_process_record(model.cuda().eval(), first, Path(tempfile.mkdtemp()), compute_dtype=dtype)
+    if bf16:
+        assert {r["probe_dtype"] for r in records} == {"bfloat16"}, records
+    pm.assert_records_equal(records[-1], single, rtol=1e-2 if bf16 else RTOL, atol=1e-2 if bf16 else ATOL)
+    print(f"fsdp1 lightning ({cell.name}, {'bf16-mixed' if bf16 else '32-true'}): records equal a single-process run on rank 0's windows")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--check":
-        check(sys.argv[2])
+        check(sys.argv[2], bf16="--bf16" in sys.argv[3:])
     else:
-        main(sys.argv[1], flat="--flat" in sys.argv[2:])
+        main(sys.argv[1], flat="--flat" in sys.argv[2:], bf16="--bf16" in sys.argv[2:])

@@ -59,8 +59,10 @@ def build_trainer(
     dp: str | None = None,
     hsdp_replicas: int | None = None,
     seed: int = 0,
+    autocast_precision: torch.dtype | None = None,
 ):
     """A Trainer for ``steps`` steps of ``global_seqs`` x SEQ tokens, checkpoints in work/ckpt."""
+    from olmo_core.config import DType
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.optim import AdamWConfig
     from olmo_core.train import Duration, TrainerConfig
@@ -83,7 +85,8 @@ def build_trainer(
 
         dp_config = TransformerDataParallelConfig(name=DataParallelType(dp), num_replicas=hsdp_replicas)
     train_module = TransformerTrainModuleConfig(
-        rank_microbatch_size=micro_seqs * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=3e-3), dp_config=dp_config
+        rank_microbatch_size=micro_seqs * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=3e-3), dp_config=dp_config,
+        autocast_precision=None if autocast_precision is None else DType(str(autocast_precision).removeprefix("torch.")),
     ).build(model, device=torch.device("cpu"))
     loader = NumpyDataLoaderConfig(global_batch_size=global_seqs * SEQ, seed=seed, work_dir=str(data / "dl"), num_workers=0).build(dataset)
     cbs = dict(callbacks)

@@ -23,6 +23,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -374,7 +375,7 @@ def _loop(cell: Path, root, inner, *, steps: int = STEPS, live_options: dict | N
     return live
 
 
-def _fsdp1(cell: Path, use_orig_params: bool) -> None:
+def _fsdp1(cell: Path, use_orig_params: bool, mixed_precision=None) -> None:
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -382,8 +383,9 @@ def _fsdp1(cell: Path, use_orig_params: bool) -> None:
 
     model = tiny_gpt2()
     root = FSDP(
-        _Wrapped(model), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), device_id=torch.device("cpu"), use_orig_params=use_orig_params
-    )
+        _Wrapped(model), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     shards = [p.numel() for p in root.parameters()]
     _loop(cell, root, root.module)
     # every probe gathered and gave back: the parameters are this rank's shards again
@@ -402,12 +404,23 @@ def fsdp1_flat_params(cell: Path) -> None:
     _fsdp1(cell, use_orig_params=False)
 
 
+def fsdp1_bf16_params(cell: Path) -> None:
+    """Parameter mixed precision as Lightning's ``FSDPStrategy(precision="bf16-mixed")`` and accelerate's
+    ``mixed_precision="bf16"`` build it: float32 weights, each unit computing in bfloat16."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    bf16 = torch.bfloat16
+    _fsdp1(cell, use_orig_params=True, mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16))
+
+
 # ---- faults on one rank of an FSDP2 run (the live core, so the steps are ours to name) --------------
-def _fsdp2_loop(cell: Path, *, steps: int, live_options: dict | None = None):
+def _fsdp2_loop(cell: Path, *, steps: int, live_options: dict | None = None, prepare=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     model = tiny_gpt2()
+    if prepare is not None:
+        prepare(model)
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
@@ -444,16 +457,68 @@ def inputs_differ(cell: Path) -> None:
         _fsdp2_loop(sub, steps=2, live_options={**options(sub), "probes": [rank1 if _rank() == 1 else natural(0)]})
 
 
+FAULT_TIMEOUT_S = 5.0  # the cells' wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
+
+
 def fault_in_model_forward(cell: Path) -> None:
-    """A fault inside the model's own forward on rank 1 (its middle block): the run must stop."""
+    """A fault inside the model's own forward on rank 1 (its middle block): the run must stop, within
+    the fault verdict's timeout (rank 0 never posts a fault: it waits inside the block's all-gather)."""
     from sinkwatch.distributed import FAULT_ENV
 
     os.environ[FAULT_ENV] = "model@1@2"
-    _fsdp2_loop(cell, steps=STEPS)
+    _fsdp2_loop(cell, steps=STEPS, live_options={**options(cell), "fault_timeout_s": FAULT_TIMEOUT_S})
+
+
+def eval_only_fault(model) -> None:
+    """A model whose blocks raise in eval mode only (trains, cannot be evaluated): block 1 raises
+    the same RuntimeError at the same line on every rank."""
+
+    def hook(module, args):
+        if not module.training:
+            raise RuntimeError("this block cannot run in eval mode")
+
+    model.transformer.h[1].register_forward_pre_hook(hook)
+
+
+def identical_faults(cell: Path) -> None:
+    """Every rank raising the same fault at the same place of a sharded probe forward: in a probe
+    (the injected model fault on both ranks at step 2) that probe is skipped everywhere and training
+    goes on; before the first probe (a model that cannot run in eval mode) the pre-flight probe disables sinkwatch."""
+    from sinkwatch.distributed import FAULT_ENV
+
+    sub = cell / "in_probe"
+    sub.mkdir(exist_ok=True)
+    os.environ[FAULT_ENV] = "model@0@2,model@1@2"
+    try:
+        _fsdp2_loop(sub, steps=STEPS, live_options={**options(sub), "fault_timeout_s": FAULT_TIMEOUT_S})
+    finally:
+        del os.environ[FAULT_ENV]
+    sub = cell / "preflight"
+    sub.mkdir(exist_ok=True)
+    live = _fsdp2_loop(sub, steps=STEPS, live_options={**options(sub), "fault_timeout_s": FAULT_TIMEOUT_S}, prepare=eval_only_fault)
+    (sub / f"disabled-rank{_rank()}.txt").write_text(str(live.disabled))
+
+
+# ---- issue 25: settings real runs use -------------------------------------------------------------
+def log_spaced_schedule(cell: Path) -> None:
+    """Ranks whose trainers estimate different run lengths (unequal data: Lightning's
+    ``estimated_stepping_batches`` per rank) must still probe the same log-spaced steps: rank 0's."""
+    from sinkwatch.live import LiveConfig, LiveMonitor
+
+    model = tiny_gpt2()
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    live = LiveMonitor(LiveConfig(**{**options(cell), "log_spaced": 5, "every_n_steps": None}))
+    live.setup(model, is_global_zero=_rank() == 0, max_steps=10 if _rank() == 0 else 1000, world_size=dist.get_world_size())
+    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live._log_steps)))
+    live.finish()
 
 
 # ---- OLMo-core ------------------------------------------------------------------------------------
-def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: bool = False) -> None:
+def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: bool = False, autocast=None) -> None:
     import olmo_core.distributed.parallel as olmo_parallel
     from olmo_core.train.callbacks import Callback
     from olmo_core_helpers import build_trainer, metrics_log_callback, model_state, token_file
@@ -480,7 +545,10 @@ def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: boo
             cbs["first"] = FirstBatch()
             cbs["sinkwatch"] = sw = SinkWatchCallback(**options(cell))
         olmo_parallel._WORLD_MESH = None  # OLMo-core builds one world mesh per process; this one trains twice
-        trainer = build_trainer(cell / name, cbs, steps=STEPS, dp=dp, hsdp_replicas=hsdp_replicas, global_seqs=2 * dist.get_world_size())
+        trainer = build_trainer(
+            cell / name, cbs, steps=STEPS, dp=dp, hsdp_replicas=hsdp_replicas, global_seqs=2 * dist.get_world_size(),
+            autocast_precision=autocast,
+        )  # fmt: skip
         try:
             trainer.fit()
         finally:
@@ -498,6 +566,11 @@ def _olmo(cell: Path, dp: str, *, hsdp_replicas: int | None = None, compare: boo
 
 def olmo_fsdp2(cell: Path) -> None:
     _olmo(cell, "fsdp", compare=True)
+
+
+def olmo_fsdp2_bf16(cell: Path) -> None:
+    """OLMo-core FSDP2 with ``autocast_precision=bfloat16``: every rank probes in bf16, as it trains."""
+    _olmo(cell, "fsdp", autocast=torch.bfloat16)
 
 
 def olmo_ddp(cell: Path) -> None:
@@ -553,13 +626,13 @@ def zero3_model():
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def single_process_record(model, first: dict, tmp: Path) -> dict:
+def single_process_record(model, first: dict, tmp: Path, *, compute_dtype=None) -> dict:
     """The same live core in one process: rank 0's first batch freezes the natural windows, then one probe."""
     from sinkwatch.live import LiveConfig, LiveMonitor
     from sinkwatch.reporting.jsonl import read_jsonl
 
     live = LiveMonitor(LiveConfig(out_dir=str(tmp), wandb="disabled", console=False))
-    live.setup(model, is_global_zero=True)
+    live.setup(model, is_global_zero=True, compute_dtype=compute_dtype)
     live.batch_start(first)
     live.step_end(0)
     (record,) = read_jsonl(tmp / "records.jsonl")
@@ -598,6 +671,7 @@ CELLS = {
     for f in (
         lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
+        log_spaced_schedule, fsdp1_bf16_params, identical_faults, olmo_fsdp2_bf16,
     )
 }  # fmt: skip
 
@@ -605,17 +679,20 @@ CELLS = {
 def main(out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     faulthandler.enable()  # a crash in native code prints the Python stack too
-    dist.init_process_group("gloo", timeout=timedelta(seconds=CELL_TIMEOUT_S))
+    # SINKWATCH_MATRIX_BACKEND: benchmarks/gpu_check.sh runs OLMo-core's default "cpu:gloo,cuda:nccl" (a CPU-only torch cannot)
+    dist.init_process_group(os.environ.get("SINKWATCH_MATRIX_BACKEND", "gloo"), timeout=timedelta(seconds=CELL_TIMEOUT_S))
     for name in names:
         cell = Path(out) / name
         cell.mkdir(parents=True, exist_ok=True)
         faulthandler.dump_traceback_later(CELL_TIMEOUT_S, exit=True)  # a hang: every stack on stderr, then exit
         print(f"[rank {_rank()}] cell {name}", file=sys.stderr, flush=True)
         result = {"status": "ok"}
+        t0 = time.monotonic()
         try:
             CELLS[name](cell)
         except Exception as exc:  # noqa: BLE001 - the test reads what each cell raised
             result = {"status": "error", "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()}
+        result["seconds"] = time.monotonic() - t0
         (cell / f"result-rank{_rank()}.json").write_text(json.dumps(result))
         if result.get("type") == "ProbeForwardBroken":
             os._exit(3)  # the other ranks wait inside the probe's collectives: the run ends here, as training would

@@ -35,7 +35,8 @@ EAGER_STAGES = StageConfig(prefix_forming_score=0.0, prefix_forming_icl=10.0, si
 # equal within float32 rounding: both sides run the same weights through the same SDPA arithmetic
 RTOL, ATOL = 1e-5, 1e-6
 VOLATILE = {"probe_seconds", "model", "stats_backend", "revision"}
-LIVE_ONLY = {"config_hash", "tracker_since_step"}  # the live run's configuration marks; a replay record has none
+# the live run's configuration marks; a replay record has none (probe_dtype: written by the live core only, so far)
+LIVE_ONLY = {"config_hash", "tracker_since_step", "probe_dtype"}
 
 
 def assert_same(got, want, where: str = "") -> int:

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torchrun import torchrun
 
-from sinkwatch.live import LiveConfig, natural_windows
+from sinkwatch.live import LiveConfig, log_spaced_steps, natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 HERE = Path(__file__).parent
@@ -36,7 +36,9 @@ LAUNCH_TIMEOUT_S = 540
 
 LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end its launch goes last)
     "sharded": (2, True, ["lightning_fsdp2", "lightning_tp", "lightning_tp_mesh", "hf_tp_plan", "fsdp1_orig_params", "fsdp1_flat_params",
-                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "fault_in_model_forward"]),
+                          "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule", "fsdp1_bf16_params",
+                          "identical_faults", "olmo_fsdp2_bf16",
+                          "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
 }  # fmt: skip
@@ -226,6 +228,9 @@ def test_a_fault_inside_the_models_own_forward_stops_the_run(matrix):
     assert rc != 0
     (result,) = [json.loads((out / "fault_in_model_forward" / "result-rank1.json").read_text())]
     assert result["type"] == "ProbeForwardBroken" and "rank 1" in result["error"] and "Resume from the last checkpoint" in result["error"]
+    # bounded: rank 1 waited the fault verdict's timeout for a fault rank 0 never posted (it is inside the all-gather)
+    assert f"ranks [0] raised no fault there within {pm.FAULT_TIMEOUT_S:g} s" in result["error"], result["error"]
+    assert result["seconds"] < pm.CELL_TIMEOUT_S / 2, result["seconds"]
     assert [r["step"] for r in read_jsonl(out / "fault_in_model_forward" / "sw" / "records.jsonl")] == [0]
 
 
@@ -281,3 +286,71 @@ def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
     for key in keys:
         assert key in plain, key
         np.testing.assert_array_equal(np.array(guarded[key], dtype=float), np.array(plain[key], dtype=float), err_msg=key)
+
+
+def test_log_spaced_steps_are_rank_0s_on_every_rank(matrix):
+    """Rank 0 plans 10 steps, rank 1 1000 (unequal data): both probe rank 0's log-spaced steps."""
+    d = cell_dir(matrix, "log_spaced_schedule")
+    assert all(r["status"] == "ok" for r in results(d)), results(d)
+    schedules = [json.loads((d / f"schedule-rank{r}.json").read_text()) for r in range(2)]
+    assert schedules[0] == schedules[1] == sorted(log_spaced_steps(5, 10)), schedules
+
+
+def test_fsdp1_bf16_parameter_mixed_precision_probes_in_bf16(matrix, tmp_path):
+    """FSDP v1 with MixedPrecision(param_dtype=bf16) over float32 weights (Lightning's FSDPStrategy
+    "bf16-mixed", accelerate's mixed_precision="bf16"): every probe is written (before the fix each run
+    stopped at step 0 with ProbeForwardBroken: block 0 met float32 activations with bf16 weights), in
+    bf16, equal within bf16 tolerance to a single process probing the final weights cast to bf16."""
+    d = cell_dir(matrix, "fsdp1_bf16_params")
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    model = final_model("fsdp1_bf16_params", d).to(torch.bfloat16)
+    pm.assert_records_equal(records[-1], pm.single_process_record(model, first_batch(d, 0), tmp_path), rtol=1e-2, atol=1e-2)
+
+
+def test_the_same_fault_on_every_rank_skips_the_probe_and_training_goes_on(matrix, tmp_path):
+    """Both ranks raise the same fault at the same line inside a sharded probe forward (before: every
+    rank raised ProbeForwardBroken and the run stopped). The verdict, on the c10d store, sees the same
+    fault everywhere: the probe is one error line, training goes on, the next probe equals a single
+    process on the final weights."""
+    d = cell_dir(matrix, "identical_faults")
+    assert all(r["status"] == "ok" for r in results(d)), results(d)
+    records = read_jsonl(d / "in_probe" / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, pm.EVERY, pm.STEPS]
+    assert "error" not in records[0] and "error" not in records[2]
+    for rank in (0, 1):
+        assert f"rank {rank}: ProbeFaultEverywhere: every rank raised the same fault" in records[1]["error"], records[1]
+    pm.assert_records_equal(
+        records[-1], pm.single_process_record(final_model("identical_faults", d / "in_probe"), first_batch(d / "in_probe", 0), tmp_path)
+    )
+
+
+def test_a_deterministic_error_in_the_preflight_probe_disables_sinkwatch_and_training_goes_on(matrix):
+    """A model that cannot run in eval mode (before: ProbeForwardBroken at the step-0 probe, the run
+    stopped): the pre-flight probe (before the first probe) fails the same way on both ranks; one error line, no probe."""
+    d = cell_dir(matrix, "identical_faults") / "preflight"
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert len(records) == 1 and records[0]["step"] is None, records
+    assert (
+        "sinkwatch is disabled for this run" in records[0]["error"]
+        and "RuntimeError: this block cannot run in eval mode" in records[0]["error"]
+    )
+    for rank in (0, 1):
+        assert "disabled for this run" in (d / f"disabled-rank{rank}.txt").read_text()
+    assert (d / "final.pt").exists()  # training ran to the end
+
+
+def test_olmo_core_fsdp2_bf16_autocast_probes_in_bf16(matrix, tmp_path):
+    """OLMo-core FSDP2 with autocast_precision=bf16: records in bf16 (before: float32 under a bf16 run),
+    equal within bf16 tolerance to one process probing the final weights under bf16 autocast."""
+    d = cell_dir(matrix, "olmo_fsdp2_bf16")
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    want = pm.single_process_record(final_model("olmo_fsdp2_bf16", d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
+    pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)

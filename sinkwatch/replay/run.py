@@ -106,7 +106,9 @@ def _setup(
     cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
     cfg = dataclasses.replace(cfg, protocol=label.computation)
     probe_list = list(probes) if probes is not None else (source.live_probes() or recipe.probe_recipes())
-    dtype = dtype or recipe.dtype
+    # a live store's probe_dtype (the trainer's compute dtype the callback probed in), unless --dtype says otherwise
+    live = (getattr(source.local, "live_state", None) or {}) if source.local is not None else {}
+    dtype = dtype or live.get("probe_dtype") or recipe.dtype
     key = replay_key(recipe.model, dtype, label.label, probe_list)
     return _Setup(recipe, ordered, ordered[k::n], key, cfg, label.computation, probe_list, dtype, None, source, label, flags)
 

@@ -22,6 +22,11 @@ class Reporter:
     def log_error(self, step: int | None, message: str) -> None:
         pass
 
+    def log_skip(self, step: int, tokens: int | None, reason: str) -> None:
+        """A scheduled probe that was not written (``reason``: its error line): trackers log
+        ``sinkwatch/probe_skipped`` = 1 at ``step``, so a gap in the curves is visible where it is."""
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -58,6 +63,9 @@ class MultiReporter(Reporter):
 
     def log_error(self, step, message):
         self._each("log_error", step, message)
+
+    def log_skip(self, step, tokens, reason):
+        self._each("log_skip", step, tokens, reason)
 
     def finish(self):
         self._each("finish")

@@ -58,6 +58,10 @@ class LoggerReporter(Reporter):
         if self.events is not None:
             self.events.write(event)
 
+    def log_skip(self, step: int, tokens: int | None, reason: str) -> None:
+        self.logger.log_metrics({"sinkwatch/probe_skipped": 1}, step=step)
+        self.logger.save()
+
 
 def lightning_loggers_reporter(loggers: Sequence[Any]) -> Reporter:
     """A reporter for ``trainer.loggers`` (W&B loggers excluded, see the module docstring)."""

@@ -96,6 +96,10 @@ class IntegrationReporter(Reporter):
         if self.events is not None:
             self.events.write(event)
 
+    def log_skip(self, step: int, tokens: int | None, reason: str) -> None:
+        run = self.run
+        self.callback.on_log(run.args, run.state_at(step), copy.copy(run.control), logs={"sinkwatch/probe_skipped": 1}, model=run.model)
+
 
 class TrainerIntegrationsReporter(MultiReporter):
     """Fans out to the integration callbacks (W&B excluded); silent, with one warning, after ``close``."""
@@ -110,7 +114,7 @@ class TrainerIntegrationsReporter(MultiReporter):
         self.run.closed = True
 
     def _each(self, method: str, *args) -> None:
-        if self.run.closed and method in ("log_record", "log_event"):
+        if self.run.closed and method in ("log_record", "log_event", "log_skip"):
             if self.reporters and "closed" not in self._warned:
                 self._warned.add("closed")
                 names = ", ".join(type(r.callback).__name__ for r in self.reporters)

@@ -157,6 +157,7 @@ class WandbReporter(Reporter):
         self._init_error: str | None = None
         self._n = 0
         self.alerts: list[dict] = []  # what was sent, for inspection
+        self._skips = 0  # probes skipped (log_skip): one alert for the first
         self.final_summary: dict = {}
 
     @property
@@ -211,6 +212,24 @@ class WandbReporter(Reporter):
         self.alerts.append({"title": title, "level": event.get("level")})
         self.run.summary[f"sinkwatch/event/{event['timeline']}"] = event["stage"]
         self.run.summary["sinkwatch/alerts"] = len(self.alerts)
+
+    def log_skip(self, step: int, tokens: int | None, reason: str) -> None:
+        """``sinkwatch/probe_skipped`` at the step; one W&B alert per run (the first skip), a summary count."""
+        run = self.run
+        data = {"sinkwatch/probe_skipped": 1, "sinkwatch/step": step}
+        if tokens is not None:
+            data["sinkwatch/tokens"] = tokens
+        self._log_skip_scalars(run, data)
+        self._skips += 1
+        run.summary["sinkwatch/probes_skipped"] = self._skips
+        if self._skips == 1:
+            title = "sinkwatch: a probe was skipped"
+            text = f"step {step}: {reason}\n(one alert per run; every skip logs sinkwatch/probe_skipped)"
+            run.alert(title=title, text=text, level=self.wandb.AlertLevel.WARN, wait_duration=0)
+            self.alerts.append({"title": title, "level": "WARN"})
+
+    def _log_skip_scalars(self, run, data: dict) -> None:
+        run.log(data)
 
     def finish(self) -> None:
         if self._run is not None:
