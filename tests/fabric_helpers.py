@@ -81,7 +81,14 @@ def pretrain(out_dir: Path, steps: int, *, resume=False, devices: int = 1):
     from litgpt.args import EvalArgs, TrainArgs
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset(), batch_size=MICRO)
+    class Loader(DataLoader):  # stateful, as LitGPT's litdata StreamingDataLoader is: fabric.save/load keep its state
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    loader = Loader(dataset(), batch_size=MICRO)
     train = TrainArgs(
         global_batch_size=MICRO * devices,
         micro_batch_size=MICRO,
