@@ -8,6 +8,7 @@ DDP and FSDP2 on 2 gloo processes: tests/test_parallel_matrix.py (the Fabric cel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def test_factory_never_raises_and_imports_nothing_heavy(monkeypatch, entry_site)
     assert any(isinstance(c, SinkWatchFabricCallback) for c in Fabric(accelerator="cpu", devices=1)._callbacks)
     heavy = "('sinkwatch.fabric', 'sinkwatch.live', 'lightning')"
     code = f"import sys, sinkwatch.fabric_factory as f; f.callbacks(); print(sorted(m for m in sys.modules if m in {heavy}))"
-    env = {k: v for k, v in __import__("os").environ.items() if k != ENV}
+    env = {k: v for k, v in os.environ.items() if k != ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "[]"
 
@@ -207,3 +208,19 @@ def test_step_from_the_optimizer_state():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Path(fh.ROOT / "pyproject.toml").is_file()
+
+
+def test_litgpt_recipe_runs_from_a_scratch_directory(tmp_path, entry_site):
+    """recipes/litgpt/pretrain.py, run from an empty directory with only the entry point installed: 4 steps
+    of litgpt.pretrain.setup, records at 0, 2, 4 under --out (TORCHDYNAMO_DISABLE: inductor's C++ build of
+    LitGPT's torch.compile takes minutes on 2 cores; compiled runs are tested above)."""
+    recipe = fh.ROOT / "recipes" / "litgpt" / "pretrain.py"
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(PYTHONPATH=f"{fh.ROOT}{os.pathsep}{entry_site}", TORCHDYNAMO_DISABLE="1", WANDB_MODE="disabled")
+    argv = ["--steps", "4", "--every", "2", "--batch-size", "2", "--seq-len", "64", "--layers", "2", "--d-model", "32"]
+    argv += ["--wandb", "disabled", "--out", "run"]
+    res = subprocess.run([sys.executable, str(recipe), *argv], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    records = read_jsonl(tmp_path / "run" / "sinkwatch" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 4] and records[0]["model"] == "litgpt.recipe-llama"
+    assert (tmp_path / "run" / "step-00000004" / "lit_model.pth").is_file()
