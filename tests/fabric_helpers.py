@@ -25,8 +25,14 @@ def declared_entry_point() -> tuple[str, str]:
 
 
 def entry_point_site(root: Path) -> Path:
-    """A folder that, on sys.path / PYTHONPATH, makes importlib.metadata see sinkwatch's entry point."""
+    """A folder that, on sys.path / PYTHONPATH, makes importlib.metadata see sinkwatch's entry point (empty
+    when the installed sinkwatch already declares it: two would give every Fabric two callbacks)."""
+    from importlib import metadata
+
     name, value = declared_entry_point()
+    Path(root).mkdir(parents=True, exist_ok=True)
+    if any(ep.value == value for ep in metadata.entry_points(group=GROUP)):
+        return Path(root)
     info = Path(root) / "sinkwatch_fabric_entry-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sinkwatch-fabric-entry\nVersion: 0.0\n")

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,14 +111,14 @@ def test_resumed_litgpt_run_continues_the_schedule(litgpt_run, tmp_path, entry_s
 
 
 def test_compiled_model_graphs_unchanged_by_a_probe(tmp_path):
-    """A torch.compile'd LitGPT GPT under Fabric: the probes (steps 0, 3, 6) add no Dynamo graph and cause
-    no recompilation; the training forward keeps its one graph."""
+    """A torch.compile'd LitGPT GPT under Fabric: the probes (steps 0, 3, 6 and the last, 7: max_steps) add
+    no Dynamo graph and cause no recompilation; the training forward keeps its graphs."""
     import torch._dynamo
     from litgpt.model import GPT
 
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
-    cb = SinkWatchFabricCallback(every_n_steps=3, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    cb = SinkWatchFabricCallback(every_n_steps=3, max_steps=7, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[cb])
     torch.manual_seed(0)
     model = torch.compile(GPT(fh.tiny_config()), backend="eager")
@@ -127,17 +126,38 @@ def test_compiled_model_graphs_unchanged_by_a_probe(tmp_path):
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     data = fh.dataset()
     graphs = []
-    for step in range(6):
+    for step in range(7):
         batch = data[2 * step : 2 * step + 2]
         loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
         graphs.append((counters["stats"]["unique_graphs"], dict(counters["recompiles"])))
-    assert [r["step"] for r in read_jsonl(tmp_path / "sw" / "records.jsonl")] == [0, 3, 6]
+    assert [r["step"] for r in read_jsonl(tmp_path / "sw" / "records.jsonl")] == [0, 3, 6, 7]
     assert graphs[0][0] >= 1
-    assert all(g == graphs[0] for g in graphs), graphs  # the probes after steps 0, 3 (and 6) changed nothing
-    cb.finish()
+    assert all(g == graphs[0] for g in graphs), graphs  # the probes after steps 0, 3, 6 and 7 changed nothing
+    assert cb._batch_hook is None and cb._step_hook is None  # max_steps reached: finished, hooks removed
+    # a KV-cache forward (input_pos) is not a training batch
+    cb2 = SinkWatchFabricCallback(out_dir=str(tmp_path / "sw2"), wandb="disabled", console=False)
+    Fabric(accelerator="cpu", devices=1, callbacks=[cb2]).setup(GPT(fh.tiny_config())).train()
+    with pytest.warns(RuntimeWarning, match="KV cache"):
+        cb2._read_batch(cb2._fabric_module, (data[:2, :-1],), {"input_pos": torch.arange(fh.T)})
+    assert cb2.live.natural is None and cb2.live.tokens_seen == 0
+    cb2._read_batch(cb2._fabric_module, (data[:2, :-1],), {})
+    assert cb2.live.natural is not None and cb2.live.tokens_seen == 2 * fh.T
+    cb2.finish()
+
+
+def test_the_tested_litgpt_version_is_checked_at_import(monkeypatch):
+    import sinkwatch.fabric as sf
+
+    monkeypatch.setattr(sf.metadata, "version", lambda name: "9.9.9")
+    with pytest.warns(RuntimeWarning, match=f"litgpt 9.9.9 is installed; .* tested with litgpt {sf.TESTED_LITGPT}"):
+        sf._check_litgpt_version()
+    monkeypatch.setattr(sf.metadata, "version", lambda name: sf.TESTED_LITGPT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sf._check_litgpt_version()
 
 
 def test_factory_never_raises_and_imports_nothing_heavy(monkeypatch, entry_site):
@@ -205,9 +225,6 @@ def test_step_from_the_optimizer_state():
     p.grad = torch.ones(2)
     sgd.step()
     assert optimizer_steps(sgd) is None  # momentum only: no step count (the store's last record is used)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert Path(fh.ROOT / "pyproject.toml").is_file()
 
 
 def test_litgpt_recipe_runs_from_a_scratch_directory(tmp_path, entry_site):
