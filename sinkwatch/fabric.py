@@ -4,8 +4,8 @@ such as LitGPT's ``litgpt pretrain`` (which needs no code change: see ``sinkwatc
     fabric = lightning.Fabric(..., callbacks=[SinkWatchFabricCallback(every_n_steps=100)])
 
 Fabric calls two hooks whatever the loop does: ``on_after_setup(fabric, module)`` at the end of
-``fabric.setup``/``setup_module``, and ``on_after_optimizer_step(strategy, optimizer)`` after every
-``_FabricOptimizer.step()``. The callback uses them, plus two hooks of its own:
+``fabric.setup`` (not ``setup_module``, which calls none: one warning then, nothing probed), and
+``on_after_optimizer_step(strategy, optimizer)`` after every ``_FabricOptimizer.step()``. The callback uses them, plus two hooks of its own:
 
 - a forward pre-hook on the ``_FabricModule`` ``fabric.setup`` returns (outside any ``torch.compile``
   of the model, so no compiled graph sees it): every training forward (``module.training``) hands its
@@ -107,6 +107,7 @@ class SinkWatchFabricCallback:
         self.step: int | None = None  # optimizer steps taken (None until the first one says where the run stands)
         self.resumed_from: int | None = None
         self._fabric_module = None
+        self._litgpt = False
         self._params: set[int] = set()
         self._batch_hook = None
         self._step_hook = None
@@ -132,6 +133,7 @@ class SinkWatchFabricCallback:
         if fabric.is_global_zero:
             self.live.add_reporter(fabric_reporter(fabric))
         self._fabric_module = module
+        self._litgpt = type(self.live.target).__name__ == "LitGPTTarget"  # GPT.forward(idx, input_pos, ...)
         self._params = {id(p) for p in bare.parameters()}
         self._batch_hook = module.register_forward_pre_hook(self._read_batch, with_kwargs=True)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -141,6 +143,11 @@ class SinkWatchFabricCallback:
 
     def on_after_optimizer_step(self, strategy, optimizer) -> None:
         if self._fabric_module is None:
+            self.live._warn(
+                "no-setup",
+                "sinkwatch: Fabric never called on_after_setup, so nothing is probed: set the model up with fabric.setup(model[, "
+                "optimizer]) (fabric.setup_module calls no callback)",
+            )
             return
         if self.step is None:  # the pre-step hook did not fire (e.g. a step the AMP scaler skipped)
             self._start(optimizer)
@@ -154,7 +161,7 @@ class SinkWatchFabricCallback:
     def _read_batch(self, module, args, kwargs):
         if not module.training:  # validation, generation (sinkwatch's own probe never calls this module)
             return None
-        if kwargs.get("input_pos") is not None or (len(args) > 1 and isinstance(args[1], torch.Tensor)):
+        if kwargs.get("input_pos") is not None or (self._litgpt and len(args) > 1 and isinstance(args[1], torch.Tensor)):
             self.live._warn("kv-cache", "sinkwatch: a training forward with a KV cache (input_pos) is not read as a training batch")
             return None
         ids = kwargs.get("input_ids", kwargs.get("idx"))

@@ -202,6 +202,15 @@ def test_arguments_and_refusals(tmp_path):
     model.max_seq_length = 32
     with pytest.raises(ValueError, match="longer than the model's max_seq_length 32"):
         Fabric(accelerator="cpu", devices=1, callbacks=[cb]).setup(model)
+    # fabric.setup_module calls no hook: one warning at the first optimizer step, nothing probed, training goes on
+    cb = SinkWatchFabricCallback(out_dir=str(tmp_path / "unset"), wandb="disabled")
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[cb])
+    module = fabric.setup_module(GPT(fh.tiny_config()))
+    opt = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.1))
+    module(fh.dataset()[:2, :-1]).sum().backward()
+    with pytest.warns(RuntimeWarning, match="setup_module calls no callback"):
+        opt.step()
+    assert not (tmp_path / "unset" / "records.jsonl").exists()
     # DeepSpeed and tensor parallelism (neither runs here: their strategies checked as Fabric hands them over)
     from lightning.fabric.strategies import ModelParallelStrategy
 
