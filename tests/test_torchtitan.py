@@ -100,9 +100,9 @@ def test_torchtitan_debug_model_record_matches_float64(family):
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     probes = [
-        InductionProbe(n=8, seq_len=64, vocab_range=(2, V)),
-        RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, V)),
-        NaturalProbe(tokens=torch.randint(2, V, (2000,), generator=g), n=4, seq_len=40),
+        InductionProbe(n=6, seq_len=64, vocab_range=(2, V)),
+        RepeatedRandomProbe(n=4, seq_len=24, vocab_range=(2, V)),
+        NaturalProbe(tokens=torch.randint(2, V, (2000,), generator=g), n=4, seq_len=32),
     ]
     monitor = Monitor(probes, config=MonitorConfig(batch_tokens=600))
     record = monitor.probe(model).to_record()
