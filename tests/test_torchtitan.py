@@ -5,7 +5,9 @@ every record key equals an independent float64 computation from explicit attenti
 FlexAttention runs eagerly here (``flex_attention`` uncompiled, in both runs): its ``torch.compile``d
 kernel takes ~45 s per shape to build on this CPU, and has no backward on CPU at all."""
 
+import dataclasses
 import math
+import sys
 
 import independent as ind
 import numpy as np
@@ -153,3 +155,127 @@ def test_other_torchtitan_models_are_refused_by_name():
     model.__class__ = other
     with pytest.raises(UnsupportedModelError, match="DeepSeekV3Model is not supported"):
         resolve_target(model)
+
+
+def _without_datasets(monkeypatch):
+    """torchtitan.trainer imports its Hugging Face data loaders, which import ``datasets``; datasets < 4.8 (its
+    pin) would downgrade this environment's fsspec, so where it is absent a module that refuses every use
+    stands in for it (no test here loads a dataset)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("datasets") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("datasets is not installed (a stand-in module)")
+
+    stub = types.ModuleType("datasets")
+    stub.Dataset, stub.load_dataset = type("Dataset", (), {}), refuse
+    stub.distributed = types.ModuleType("datasets.distributed")
+    stub.distributed.split_dataset_by_node = refuse
+    monkeypatch.setitem(sys.modules, "datasets", stub)
+    monkeypatch.setitem(sys.modules, "datasets.distributed", stub.distributed)
+
+
+@pytest.fixture
+def trainer_module(monkeypatch):
+    _without_datasets(monkeypatch)
+    import sinkwatch.torchtitan
+
+    return sinkwatch.torchtitan
+
+
+def _stand_in_trainer(tmp_path, steps: int, every: int):
+    """torchtitan's own unit-test pattern (tests/unit_tests/test_invalid_loss.py): a bare Trainer with only
+    what train_step touches; here the real debug model and its real config, forward_backward_step
+    standing in for the real one (FlexAttention has no backward on CPU) but calling the real
+    post_dataloading_process first, as it does."""
+    from unittest.mock import MagicMock
+
+    from torchtitan.models.llama3 import model_registry
+
+    from sinkwatch.torchtitan import SinkWatchOptions, SinkWatchTrainer
+
+    trainer = object.__new__(SinkWatchTrainer)
+    model = debug_model("llama3")
+    trainer.model_parts = [model]
+    trainer.model_config = model_registry("debugmodel", attn_backend="flex").model
+    trainer.optimizers = MagicMock()
+    trainer.lr_schedulers = MagicMock()
+    trainer.lr_schedulers.get_metrics.return_value = {}
+    trainer.checkpointer = MagicMock()
+    trainer.config = MagicMock()
+    trainer.config.training.max_norm = 1.0
+    trainer.config.training.steps = steps
+    trainer.config.parallelism.spmd_backend = "none"
+    trainer.config.sinkwatch = SinkWatchOptions(every_n_steps=every, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    trainer.device = torch.device("cpu")
+    trainer.gradient_accumulation_steps = 1
+    trainer.num_pipeline_parallel_microbatches = 1
+    trainer.step = 0
+    trainer.ntokens_seen = 0
+    pd = MagicMock()
+    pd.dp_enabled = pd.pp_enabled = pd.cp_enabled = pd.tp_enabled = pd.dp_cp_enabled = pd.ep_enabled = False
+    pd.dp_replicate = pd.dp_shard = 1
+    pd.get_optional_mesh.return_value = None
+    trainer.parallel_dims = pd
+    trainer.metrics_processor = MagicMock()
+    trainer.metrics_processor.should_log.return_value = False
+
+    def forward_backward_step(*, input_dict, labels, global_valid_tokens):
+        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
+        assert "attention_masks" in extra  # built from positions, as in training
+        return torch.tensor(1.0)
+
+    trainer.forward_backward_step = forward_backward_step
+    # the default probe sets but smaller (eager FlexAttention on CPU is slow); natural windows from the batches
+    V = model.config.vocab_size
+    small = [InductionProbe(n=6, seq_len=64, vocab_range=(2, V)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, V))]
+    live = dataclasses.replace(trainer.config.sinkwatch.live_config(), probes=None)
+    trainer.sinkwatch_setup(live)
+    trainer.sinkwatch._build_monitor = lambda: Monitor([*small, trainer.sinkwatch.natural], config=live.monitor)
+    return trainer, model
+
+
+def _batches(V, B=2, L=64):
+    g = torch.Generator().manual_seed(5)
+    while True:
+        ids = torch.randint(2, V, (B, L + 1), generator=g)
+        yield {"input": ids[:, :-1], "positions": torch.arange(L).expand(B, L)}, ids[:, 1:]
+
+
+def test_sinkwatch_trainer_train_step_with_torchtitan_stand_ins(tmp_path, trainer_module):
+    """Probes at 0 (the first batch, before its forward), every 2 steps and the last; scalars through
+    metrics_processor.logger at those steps; tokens counted from post_dataloading_process; no hook left
+    on the model after a probe; records equal a direct probe of the same (unchanged) weights."""
+    from unittest.mock import MagicMock, patch
+
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    trainer, model = _stand_in_trainer(tmp_path, steps=3, every=2)
+    data = _batches(model.config.vocab_size)
+    clip = patch("torchtitan.trainer.dist_utils.clip_grad_norm_", return_value=torch.tensor(1.0))
+    with patch("torchtitan.trainer.sl", MagicMock()), clip:
+        for step in (1, 2, 3):
+            trainer.step = step
+            trainer.train_step(data)
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 3]
+    assert [r["tokens"] for r in records] == [0, 2 * 128, 3 * 128]
+    assert set(records[0]["probe_hashes"]) == {"induction", "repeated", "natural"}
+    logged = [(c.args[1], c.args[0]) for c in trainer.metrics_processor.logger.log.call_args_list]
+    assert [s for s, _ in logged] == [0, 2, 3] and all("sinkwatch/sink_rate" in m for _, m in logged)
+    assert all(not layer.attention.inner_attention._forward_hooks for layer in model.layers.values())
+    assert records[0]["sink_alpha"] == records[-1]["sink_alpha"]  # the optimizer is a stand-in: same weights, same record
+
+
+def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_path, trainer_module):
+    from sinkwatch.torchtitan import SinkWatchTrainer
+
+    trainer, _ = _stand_in_trainer(tmp_path, steps=1, every=1)
+    for kind in ("pp", "cp", "tp"):
+        setattr(trainer.parallel_dims, f"{kind}_enabled", True)
+        with pytest.raises(ValueError, match="parallelism"):
+            SinkWatchTrainer.sinkwatch_setup(trainer)
+        setattr(trainer.parallel_dims, f"{kind}_enabled", False)
