@@ -5,7 +5,9 @@ one probe-time ``CaptureSession`` (``session.py``):
 
 - ``transformers_target``: transformers models, through ``AttentionInterface`` (``HFTarget``);
 - ``custom``: other PyTorch models whose attention calls ``sinkwatch.attend`` (``CustomTarget``);
-- ``olmo_core``: OLMo-core ``Transformer`` models, at their attention backend (``OLMoCoreTarget``).
+- ``olmo_core``: OLMo-core ``Transformer`` models, at their attention backend (``OLMoCoreTarget``);
+- ``litgpt``: LitGPT ``GPT`` models, at ``CausalSelfAttention.scaled_dot_product_attention`` (``LitGPTTarget``);
+- ``torchtitan``: torchtitan llama3/qwen3 decoders, at each layer's ``inner_attention`` (``TorchtitanTarget``).
 
 Adding a framework means one new module here and one line in ``resolve_target``.
 """
@@ -13,10 +15,12 @@ Adding a framework means one new module here and one line in ``resolve_target``.
 from __future__ import annotations
 
 from .custom import CustomTarget, attend
+from .litgpt import LitGPTTarget, find_litgpt_model
 from .olmo_core import OLMoCoreTarget, find_olmo_core_model
 from .preserve import preserved_rng, untouched
 from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, capturing
 from .target import ProbeTarget
+from .torchtitan import TorchtitanTarget, find_torchtitan_model
 from .transformers_target import (
     SINKWATCH_EAGER_IMPL,
     SINKWATCH_IMPL,
@@ -43,6 +47,12 @@ def resolve_target(obj) -> ProbeTarget:
     olmo = find_olmo_core_model(obj)
     if olmo is not None:
         return OLMoCoreTarget(olmo)
+    lit = find_litgpt_model(obj)
+    if lit is not None:
+        return LitGPTTarget(lit)
+    titan = find_torchtitan_model(obj)
+    if titan is not None:
+        return TorchtitanTarget(titan)
     return HFTarget(find_transformers_model(obj))
 
 
@@ -54,8 +64,10 @@ __all__ = [
     "Collector",
     "CustomTarget",
     "HFTarget",
+    "LitGPTTarget",
     "OLMoCoreTarget",
     "ProbeTarget",
+    "TorchtitanTarget",
     "UnsupportedModelError",
     "activate",
     "active_session",

@@ -8,6 +8,8 @@ What a folder may hold (one kind per folder; each child is one revision):
   format by OLMo-core's own converter (``save_hf_model``); the model config is the experiment config
   OLMo-core's ``ConfigSaverCallback`` writes beside each checkpoint (``config.json``, key ``model``),
   or one in DIR;
+- LitGPT checkpoint folders (``step-NNNNNNNN/`` with ``lit_model.pth`` and ``model_config.yaml``), loaded
+  into litgpt's ``GPT`` (``litgpt_checkpoints``);
 - Lightning ``.ckpt`` files, loaded with ``Class.load_from_checkpoint`` of the LightningModule named
   by ``--lightning-module pkg.module:Class`` (``last.ckpt`` is a copy and is skipped).
 
@@ -42,6 +44,7 @@ import torch
 
 from ..probes import ProbeSet, make_induction_probe, make_repeated_random_probe
 from ..reporting.jsonl import PROBES_FILE  # in a live store: the callback's probe sets and natural windows
+from . import litgpt_checkpoints
 from .hub import is_weight_file
 from .provenance import Weights, weights_of_files
 from .revisions import SCHEMES, Revision, training_order
@@ -72,6 +75,8 @@ def kind_of(path: Path) -> str | None:
         return "lightning" if path.suffix == ".ckpt" and not _SKIPPED_CKPTS.fullmatch(path.name) else None
     if (path / "model_and_optim").is_dir():
         return "olmo-core"
+    if litgpt_checkpoints.is_litgpt_checkpoint(path):
+        return "litgpt"
     if (path / "config.json").is_file() and any(is_weight_file(p.name) for p in path.iterdir()):
         return "hf"
     return None
@@ -110,6 +115,8 @@ def read_state(path: Path, kind: str) -> _State:
             return _State()
         data = torch.load(f, map_location="cpu", weights_only=False)
         return _State(data.get("global_step"), data.get("global_train_tokens_seen") or None, _sinkwatch_state(data.get("callbacks") or {}))
+    if kind == "litgpt":
+        return _State(litgpt_checkpoints.saved_step(path))
     data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     return _State(data.get("global_step"), None, _sinkwatch_state(data.get("callbacks") or {}))
 
@@ -176,6 +183,8 @@ class LocalRun:
             with tempfile.TemporaryDirectory(prefix="sinkwatch-olmo-core-") as tmp:
                 hf = convert_olmo_core(Path(rev.path), Path(tmp) / "hf", config_dirs=[Path(rev.path), self.root])
                 return load_model(str(hf), dtype=dtype, device=device)
+        if self.kind == "litgpt":
+            return litgpt_checkpoints.load_litgpt(Path(rev.path), dtype=parse_dtype(dtype), device=device or default_device())
         from ..capture import UnsupportedModelError, find_transformers_model
 
         module = load_lightning(self.lightning_module, rev.path)
@@ -221,7 +230,8 @@ def local_run(
     else:
         raise FileNotFoundError(
             f"no checkpoints in {root}: expected HF Trainer checkpoint-N/ or save_pretrained folders (config.json + weights), "
-            "OLMo-core checkpoints (stepN/model_and_optim/), or Lightning *.ckpt files"
+            "OLMo-core checkpoints (stepN/model_and_optim/), LitGPT checkpoints (step-N/lit_model.pth + model_config.yaml), "
+            "or Lightning *.ckpt files"
         )
     if kind == "lightning" and not lightning_module:
         raise ValueError(f"{root} holds Lightning checkpoints: name your LightningModule with --lightning-module pkg.module:Class")

@@ -1,0 +1,115 @@
+"""Capture for torchtitan 0.3.0 decoders (``Llama3Model``, ``Qwen3Model``), at each layer's
+``attention.inner_attention``.
+
+In torchtitan's ``GQAttention`` the queries and keys are projected, QK-normed (Qwen3) and rotated
+before they reach ``inner_attention(q, k, v, attention_masks=..., scale=..., enable_gqa=...)``, all
+(B, L, N, H), k and v not repeated for GQA. During a probe a forward hook on each ``inner_attention``
+(removed afterwards) hands that q and k to the statistics and the module's own output on unchanged;
+the scale is the one the layer passes (``head_dim ** -0.5`` when it passes None, as FlexAttention
+does); what each head writes is read at the input of ``attention.wo``. The probe forward builds its
+masks the way training does (``model.get_attention_masks(positions)`` with one document per row:
+plain causal), since FlexAttention needs them.
+
+Models other than llama3 and qwen3 (deepseek_v3's MLA, qwen3_5's gated attention and GatedDeltaNet,
+gpt_oss's sinks and windows) are refused by name, as is a pipeline stage (a rank without every layer).
+This module imports ``torchtitan`` only inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
+from .target import ProbeTarget, model_class_name
+
+SUPPORTED = ("Llama3Model", "Qwen3Model")
+
+
+def is_torchtitan_model(obj) -> bool:
+    if "torchtitan" not in sys.modules or not isinstance(obj, nn.Module):
+        return False
+    from torchtitan.models.common.decoder import Decoder
+
+    return isinstance(obj, Decoder)
+
+
+def find_torchtitan_model(obj) -> nn.Module | None:
+    for candidate in (obj, getattr(obj, "_orig_mod", None), getattr(obj, "module", None)):
+        if is_torchtitan_model(candidate):
+            return candidate
+    return None
+
+
+class TorchtitanTarget(ProbeTarget):
+    """A torchtitan llama3 or qwen3 decoder (possibly ``fully_shard``-ed: every rank must probe together)."""
+
+    def __init__(self, model: nn.Module):
+        if not is_torchtitan_model(model):
+            raise TypeError(f"TorchtitanTarget needs a torchtitan Decoder, got {type(model).__name__}")
+        name = model_class_name(model)
+        if name not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"sinkwatch probes torchtitan's llama3 and qwen3 models ({', '.join(SUPPORTED)}); {name} is not supported "
+                "(its attention differs: MLA, gated attention, linear attention or learned sinks)"
+            )
+        if getattr(model, "tok_embeddings", None) is None or getattr(model, "lm_head", None) is None:
+            raise UnsupportedModelError(f"{name} is a pipeline stage (no embeddings or no output layer): no rank can run a probe forward")
+        self.model = self.module = model
+        self.name = f"torchtitan.{name}"
+        self._blocks = nn.ModuleList([model.layers[k] for k in sorted(model.layers.keys(), key=int)])
+        for i, block in enumerate(self._blocks):
+            inner = getattr(getattr(block, "attention", None), "inner_attention", None)
+            if not isinstance(inner, nn.Module):
+                raise UnsupportedModelError(f"{name}: layer {i} has no attention.inner_attention for sinkwatch to read q and k at")
+
+    def blocks(self) -> nn.ModuleList:
+        return self._blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def context(self) -> int | None:
+        return None  # RoPE: the probe lengths are the user's choice
+
+    @contextlib.contextmanager
+    def capture(self, collector: Collector):
+        session = CaptureSession(collector, self._blocks, self.name)
+
+        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+            B, S = input_ids.shape
+            positions = torch.arange(S, device=input_ids.device).expand(B, S)  # one document per row: causal
+            masks = self.model.get_attention_masks(positions)
+            session.begin()
+            logits = self.model(input_ids, attention_masks=masks)
+            session.end()
+            return logits if all_logits else logits[:, -1:]
+
+        handles = []
+        try:
+            with capturing(session):
+                handles = [
+                    b.attention.inner_attention.register_forward_hook(_inner_hook(b.attention), with_kwargs=True) for b in self._blocks
+                ]
+                yield forward
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _inner_hook(attention: nn.Module):
+    def hook(inner, args, kwargs, output):
+        session = active_session()
+        if session is None:
+            return None
+        q, k = args[0], args[1]  # (B, L, Nq, H), (B, L, Nkv, H): post-RoPE, GQA not repeated
+        scale = kwargs.get("scale")
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return session.attend(lambda: output, attention, q.transpose(1, 2), k.transpose(1, 2), scale, None, None, None, attention.wo)
+
+    return hook

@@ -1,0 +1,394 @@
+"""Lightning Fabric adapter: ``SinkWatchFabricCallback`` (SPEC §7), for hand-written Fabric loops
+such as LitGPT's ``litgpt pretrain`` (which needs no code change: see ``sinkwatch.fabric_factory``).
+
+    fabric = lightning.Fabric(..., callbacks=[SinkWatchFabricCallback(every_n_steps=100)])
+
+Fabric calls two hooks whatever the loop does: ``on_after_setup(fabric, module)`` at the end of
+``fabric.setup`` (not ``setup_module``, which calls none: one warning then, nothing probed), and
+``on_after_optimizer_step(strategy, optimizer)`` after every ``_FabricOptimizer.step()``. The callback uses them, plus two hooks of its own:
+
+- a forward pre-hook on the ``_FabricModule`` ``fabric.setup`` returns (outside any ``torch.compile``
+  of the model, so no compiled graph sees it): every training forward (``module.training``) hands its
+  (B, T) token ids to the live core, which freezes the natural probe from the first one and counts
+  tokens (times the data-parallel ranks);
+- a one-shot global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
+  which fires before the first optimizer step of the optimizer holding the model's parameters, after
+  the first batch was read and before any weight changed. Its state says where the run stands: empty
+  (step 0) is a fresh run, and the initial model is probed then; a step ``s > 0`` is a resumed run
+  (``fabric.load`` restored the optimizer; Fabric calls no callback on ``save``/``load``), and the
+  callback's state (probe sets, natural windows, counters, stage tracker) is rebuilt from its own
+  store in ``out_dir``: ``probes.json`` and the records up to step ``s`` (later lines, from a timeline
+  that was rolled back, move to ``*.superseded.jsonl``), and the schedule continues at ``s + 1``.
+
+Optimizer steps are counted from there (one per ``on_after_optimizer_step``); every ``every_n_steps``-th
+is probed right after the optimizer step, before the loop saves a checkpoint at it, so a record at
+step N equals ``sinkwatch replay`` of the checkpoint saved at step N. With ``max_steps`` given, the
+last step is probed (``probe_at_end``) and log-spaced steps are possible; Fabric has no end-of-run
+hook, so without it the run ends with the last scheduled probe.
+
+What is probed: the bare module (``_FabricModule._original_module``; never the DDP wrapper, which
+would hang) on global rank 0 under DDP; every rank together under FSDP2 (``ModelParallelStrategy``
+with ``data_parallel_size`` only: the probe forward's hooks all-gather the shards). The capture is
+chosen by the model: LitGPT ``GPT`` through its attention method, transformers models through
+``AttentionInterface``, ``sinkwatch.attend`` / ``sinkwatch_target()`` otherwise. Refused at setup with
+a clear error: DeepSpeed (its engine owns the parameters), tensor parallelism, Fabric's ``FSDPStrategy``
+of a LitGPT model is untested (it needs CUDA), explicit probes longer than the model's
+``max_seq_length``. A KV-cache training forward (LitGPT ``input_pos``) is not read as a training batch.
+
+Logging: the records go to ``out_dir`` (``records.jsonl``, ``events.jsonl``, ``probes.json``), to W&B
+(the Fabric loggers' WandbLogger run when there is one, else as ``wandb=`` says) and, on global rank
+0, the ``sinkwatch/*`` scalars (docs/live.md, "Logged keys") to the Fabric loggers through
+``fabric.log_dict`` at the record's step (the non-W&B loggers directly when a WandbLogger is attached,
+whose run the W&B reporter already logs to); stage events to TensorBoard, CSV and MLflow loggers as the
+Lightning adapter writes them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import warnings
+from dataclasses import fields
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .live import STATE_VERSION, LiveConfig, LiveMonitor
+from .reporting.base import MultiReporter, Reporter
+from .reporting.jsonl import PROBES_FILE, read_jsonl
+
+TESTED_LITGPT = "0.5.13"  # the litgpt release the LitGPT capture and this adapter were tested with
+
+
+def _check_litgpt_version() -> None:
+    try:
+        installed = metadata.version("litgpt")
+    except metadata.PackageNotFoundError:
+        return
+    if installed != TESTED_LITGPT:
+        warnings.warn(
+            f"sinkwatch: litgpt {installed} is installed; sinkwatch's LitGPT capture was tested with litgpt {TESTED_LITGPT} "
+            "(its attention method, scale and masks are read as that version wrote them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_check_litgpt_version()
+
+# the options the environment variable of the entry point may set: those typed with plain scalars
+_SCALAR_TYPES = {"int", "float", "bool", "str", "None"}
+SCALAR_OPTIONS = tuple(f.name for f in fields(LiveConfig) if {p.strip() for p in str(f.type).split("|")} <= _SCALAR_TYPES)
+
+
+class SinkWatchFabricCallback:
+    """Watch attention sinks and induction heads form in a Lightning Fabric loop.
+
+    Args:
+        config: a ``sinkwatch.live.LiveConfig`` (default: all defaults); keyword options override its fields
+            (the same options as ``sinkwatch.lightning.SinkWatchCallback``: every_n_steps, log_spaced,
+            probe_at_start, probe_at_end, out_dir, tokens_per_step, probes, natural, natural_n,
+            natural_seq_len, monitor, stages, wandb, wandb_project, wandb_init, heatmap_every, console,
+            raise_on_error, on_event, reporters).
+        max_steps: the optimizer steps the run will take (default None: unknown; then the last step is
+            probed only if scheduled, and ``log_spaced`` is refused).
+    """
+
+    def __init__(self, config: LiveConfig | None = None, *, max_steps: int | None = None, **overrides: Any):
+        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
+            raise ValueError(f"max_steps must be None or a positive int, got {max_steps!r}")
+        self.config = LiveConfig.with_overrides(config, overrides)
+        if self.config.log_spaced and max_steps is None:
+            raise ValueError("log_spaced needs max_steps: Fabric cannot say how many optimizer steps the loop will take")
+        self.max_steps = max_steps
+        self.live = LiveMonitor(self.config)
+        self.step: int | None = None  # optimizer steps taken (None until the first one says where the run stands)
+        self.resumed_from: int | None = None
+        self._fabric_module = None
+        self._litgpt = False
+        self._params: set[int] = set()
+        self._batch_hook = None
+        self._step_hook = None
+        self._finished = False
+
+    # ---- Fabric hooks ------------------------------------------------------------------------
+    def on_after_setup(self, fabric, module) -> None:
+        if self._fabric_module is not None:
+            return  # one model per callback: the first one set up (a second fabric.setup is another model)
+        strategy = fabric.strategy
+        _refuse_strategy(strategy)
+        bare = getattr(module, "_original_module", module)
+        wrapped = getattr(module, "_forward_module", module)
+        self.live.setup(
+            bare,
+            is_global_zero=fabric.is_global_zero,
+            wrapped=wrapped,
+            max_steps=self.max_steps,
+            world_size=_data_parallel_size(strategy),
+            wandb_run=_wandb_run(fabric) if fabric.is_global_zero else None,
+        )
+        _refuse_long_probes(self.config.probes, self.live.target.context)
+        if fabric.is_global_zero:
+            self.live.add_reporter(fabric_reporter(fabric))
+        self._fabric_module = module
+        self._litgpt = type(self.live.target).__name__ == "LitGPTTarget"  # GPT.forward(idx, input_pos, ...)
+        self._params = {id(p) for p in bare.parameters()}
+        self._batch_hook = module.register_forward_pre_hook(self._read_batch, with_kwargs=True)
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._step_hook = register_optimizer_step_pre_hook(self._before_first_step)
+        atexit.register(self.finish)
+
+    def on_after_optimizer_step(self, strategy, optimizer) -> None:
+        if self._fabric_module is None:
+            self.live._warn(
+                "no-setup",
+                "sinkwatch: Fabric never called on_after_setup, so nothing is probed: set the model up with fabric.setup(model[, "
+                "optimizer]) (fabric.setup_module calls no callback)",
+            )
+            return
+        if self.step is None:  # the pre-step hook did not fire (e.g. a step the AMP scaler skipped)
+            self._start(optimizer)
+        self.step += 1
+        self.live.step_end(self.step)
+        if self.max_steps is not None and self.step >= self.max_steps:
+            self.live.train_end(self.step)
+            self.finish()
+
+    # ---- batches and the first step ----------------------------------------------------------
+    def _read_batch(self, module, args, kwargs):
+        if not module.training:  # validation, generation (sinkwatch's own probe never calls this module)
+            return None
+        if kwargs.get("input_pos") is not None or (self._litgpt and len(args) > 1 and isinstance(args[1], torch.Tensor)):
+            self.live._warn("kv-cache", "sinkwatch: a training forward with a KV cache (input_pos) is not read as a training batch")
+            return None
+        ids = kwargs.get("input_ids", kwargs.get("idx"))
+        if ids is None and args and isinstance(args[0], torch.Tensor):
+            ids = args[0]
+        if isinstance(ids, torch.Tensor):
+            batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
+            self.live.batch_start(batch)
+            self.live.batch_end(batch)
+        return None
+
+    def _before_first_step(self, optimizer, args, kwargs) -> None:
+        if self.step is not None or not self._owns(optimizer):
+            return
+        self._remove_step_hook()
+        self._start(optimizer)
+
+    def _owns(self, optimizer) -> bool:
+        return any(id(p) in self._params for group in optimizer.param_groups for p in group["params"])
+
+    def _start(self, optimizer) -> None:
+        """Where the run stands, before its first optimizer step in this process."""
+        self._remove_step_hook()
+        done = optimizer_steps(optimizer)
+        if done is None:
+            last = _last_stored_step(self.config.out_dir) if self.live.rank.reports_here else None
+            done = _broadcast(last) or 0
+            self.live._warn(
+                "step",
+                f"sinkwatch: the optimizer's state holds no step count; counting from step {done} (the store's last record)",
+            )
+        self.step = done
+        if done == 0:
+            self.live.step_end(0)  # the initial model, with the natural probe the first batch froze
+            return
+        self.resumed_from = done
+        counted = self.live.tokens_seen  # this step's micro-batches so far, all ranks
+        stages = self.config.monitor.stages
+        state = state_from_store(self.config.out_dir, done, stages) if self.live.rank.reports_here else None
+        state = _broadcast(state)
+        if state is not None:
+            self.live.load_state_dict(state)
+            since = state.get("last_probed_step") or 0
+            stored = state.get("config_hash")
+            if stored is not None and stored != self.live.config_hash and self.live.tracker_since_step != since:
+                # thresholds changed (the probe sets' change is handled by load_state_dict): a new tracker segment
+                from .stages import StageTracker
+
+                self.live.tracker_since_step = since
+                self.live.monitor.tracker = StageTracker(stages)
+                self.live._warn(
+                    "resume-config",
+                    f"sinkwatch: resumed at step {done} with changed options (config_hash {stored} -> {self.live.config_hash}); "
+                    f"the stage tracker starts a new segment at step {since}",
+                )
+        if self.config.tokens_per_step is None and counted:
+            self.live.tokens_seen = counted * (done + 1)  # constant tokens per step (LitGPT: fixed-length batches)
+            self.live.tokens_counted = True
+
+    def _remove_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def finish(self) -> None:
+        """Close the reporters (W&B); called at ``max_steps``, at interpreter exit, or by you."""
+        if self._finished or self._fabric_module is None:
+            return
+        self._finished = True
+        self._remove_step_hook()
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+            self._batch_hook = None
+        self.live.finish()
+
+    # for loops that call it themselves: fabric.call("on_train_end")
+    def on_train_end(self, *args, **kwargs) -> None:
+        if self.step is not None:
+            self.live.train_end(self.step)
+        self.finish()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def optimizer_steps(optimizer) -> int | None:
+    """Optimizer steps taken, from its state: 0 when it holds none (a fresh optimizer), the largest
+    ``step`` of its parameter states (Adam, AdamW, RMSprop, ...), None when the state says nothing of steps (SGD)."""
+    state = getattr(optimizer, "state", None) or {}
+    if not state:
+        return 0
+    steps = [s["step"] for s in state.values() if isinstance(s, dict) and "step" in s]
+    if not steps:
+        return None
+    return int(max(float(s) for s in steps))
+
+
+def state_from_store(out_dir, step: int, stages) -> dict | None:
+    """The live callback's state at optimizer step ``step``, rebuilt from its store (``probes.json`` and
+    the records up to ``step``), or None when the store holds nothing. The stage tracker is re-fed the
+    stored records of the current segment (same ``config_hash``, from ``tracker_since_step`` on)."""
+    from .stages import StageTracker
+
+    root = Path(out_dir)
+    probes_file = root / PROBES_FILE
+    probes = json.loads(probes_file.read_text()) if probes_file.is_file() else {}
+    records = [r for r in read_jsonl(root / "records.jsonl") if r.get("step") is not None and "error" not in r]
+    if not probes and not records:
+        return None
+    kept = sorted((r for r in records if r["step"] <= step), key=lambda r: r["step"])
+    last = kept[-1] if kept else None
+    tracker = None
+    if last is not None:
+        since = last.get("tracker_since_step") or 0
+        segment = [r for r in kept if r.get("config_hash") == last.get("config_hash") and r["step"] >= since]
+        t = StageTracker(stages)
+        for r in segment:
+            t.update(dict(r))
+        tracker = t.state_dict()
+    return {
+        "version": STATE_VERSION,
+        "probe_hashes": probes.get("probe_hashes"),
+        "probe_params": probes.get("probe_params"),
+        "natural_tokens": probes.get("natural_tokens"),
+        "natural_params": probes.get("natural_params"),
+        "tracker": tracker,
+        "last_probed_step": None if last is None else last["step"],
+        "tokens_seen": (last.get("tokens") or 0) if last is not None else 0,
+        "n_probes": len(kept),
+        "config_hash": None if last is None else last.get("config_hash"),
+        "tracker_since_step": 0 if last is None else int(last.get("tracker_since_step") or 0),
+    }
+
+
+def _last_stored_step(out_dir) -> int | None:
+    steps = [r["step"] for r in read_jsonl(Path(out_dir) / "records.jsonl") if isinstance(r.get("step"), int)]
+    return max(steps) if steps else None
+
+
+def _broadcast(obj):
+    """Global rank 0's ``obj`` on every rank (itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _refuse_strategy(strategy) -> None:
+    names = {c.__name__ for c in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        raise ValueError(
+            "sinkwatch cannot probe a DeepSpeed model live under Fabric: the DeepSpeed engine owns the parameters and the optimizer. "
+            "Use DDP or ModelParallelStrategy (FSDP2), or probe the checkpoints afterwards with `sinkwatch replay`"
+        )
+    tp = getattr(strategy, "_tensor_parallel_size", 1)
+    if isinstance(tp, int) and tp > 1:
+        raise ValueError(
+            f"sinkwatch cannot probe a tensor-parallel model live (ModelParallelStrategy tensor_parallel_size={tp}): each rank holds "
+            "only some heads. Use tensor_parallel_size=1 (FSDP2 over every rank), or probe the checkpoints afterwards"
+        )
+
+
+def _refuse_long_probes(probes, context: int | None) -> None:
+    if probes is None or context is None:
+        return
+    for p in probes:
+        T = getattr(p, "seq_len", None)
+        if T is None and isinstance(getattr(p, "tokens", None), torch.Tensor):
+            T = p.tokens.shape[1]
+        if isinstance(T, int) and T > context:
+            raise ValueError(
+                f"sinkwatch: the probe {type(p).__name__} has seq_len {T}, longer than the model's max_seq_length {context}; "
+                "the model cannot run it. Give probes of at most max_seq_length tokens (the default probes are fitted to it)"
+            )
+
+
+def _data_parallel_size(strategy) -> int:
+    try:
+        kwargs = strategy.distributed_sampler_kwargs or {}
+    except Exception:  # noqa: BLE001 - a strategy without a device mesh yet
+        kwargs = {}
+    return max(1, int(kwargs.get("num_replicas", getattr(strategy, "world_size", 1)) or 1))
+
+
+def _wandb_run(fabric):
+    for logger in getattr(fabric, "loggers", []) or []:
+        if any(c.__name__ == "WandbLogger" for c in type(logger).__mro__):
+            return logger.experiment
+    return None
+
+
+class FabricReporter(Reporter):
+    """The ``sinkwatch/*`` scalars of each record through ``fabric.log_dict(metrics, step=record step)``."""
+
+    name = "Fabric log_dict"
+
+    def __init__(self, fabric):
+        self.fabric = fabric
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        from .reporting.trackers import tracker_scalars
+
+        metrics = tracker_scalars(record)
+        if metrics:
+            self.fabric.log_dict(metrics, step=record.get("step") or 0)
+
+
+def fabric_reporter(fabric) -> Reporter:
+    """Scalars to the Fabric loggers (``fabric.log_dict``; the non-W&B loggers one by one when a WandbLogger
+    is attached, whose run the W&B reporter logs to), events to the loggers that can hold text."""
+    from .reporting.lightning_loggers import LoggerReporter, event_writer, is_wandb_logger
+
+    loggers = list(getattr(fabric, "loggers", []) or [])
+    if not loggers:
+        return Reporter()
+    if any(is_wandb_logger(lg) for lg in loggers):
+        return MultiReporter([LoggerReporter(lg) for lg in loggers if not is_wandb_logger(lg)])
+    parts: list[Reporter] = [FabricReporter(fabric)]
+    parts += [_EventsOnly(lg, w) for lg in loggers if (w := event_writer(lg)) is not None]
+    return MultiReporter(parts)
+
+
+class _EventsOnly(Reporter):
+    def __init__(self, logger, writer):
+        self.name = f"Fabric {type(logger).__name__} events"
+        self.writer = writer
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        self.writer.write(event)

@@ -1,0 +1,151 @@
+"""torchtitan 0.3.0 adapter: ``SinkWatchTrainer``, a ``torchtitan.trainer.Trainer`` subclass (SPEC §7).
+
+torchtitan has no callback API; its own extensions (flux, torchft, the graph trainer) subclass
+``Trainer``. This one overrides three methods and leaves training as it is:
+
+- ``post_dataloading_process``: every micro-batch's (B, L) inputs go to the live core (the first
+  freezes the natural windows, each is counted, times the data-parallel degree); on a fresh run's
+  first batch, before any forward, the initial model is probed (step 0);
+- ``train_step``: after the step (``self.step``, torchtitan's own counter), a probe when due, and the
+  last step (``training.steps``) at the end;
+- ``load_state_dict`` (the checkpointer restores the trainer's ``step``): the callback state is
+  rebuilt from sinkwatch's own store in ``out_dir`` at that step, as the Fabric adapter does.
+
+Probes run eagerly (``torch.compiler.set_stance("force_eager")``: per-block ``compile`` is
+torchtitan's default) with hooks registered for the probe only (``sinkwatch.capture.torchtitan``); the
+probe forward builds its masks with ``model.get_attention_masks`` as ``post_dataloading_process``
+does. Scalars go to ``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to
+``out_dir``. llama3 and qwen3 only (others refused by name); pipeline, context and tensor
+parallelism refused at construction. The options are the ``sinkwatch`` field of the config
+(``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock ``Trainer.Config``).
+
+This module imports torchtitan at import: import it only where torchtitan is installed (Python >= 3.11).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.trainer import Trainer
+
+from .fabric import _broadcast, state_from_store
+from .live import LiveConfig, LiveMonitor
+from .reporting.base import Reporter
+
+TESTED_TORCHTITAN = "0.3.0"
+
+
+@dataclass(kw_only=True, slots=True)
+class SinkWatchOptions:
+    """The live options a torchtitan config carries (scalars: they come from the command line too)."""
+
+    every_n_steps: int | None = 250
+    log_spaced: int | None = None
+    probe_at_start: bool = True
+    probe_at_end: bool = True
+    out_dir: str = "./sinkwatch"
+    natural: bool = True
+    wandb: str = "auto"
+    console: bool = True
+    raise_on_error: bool = False
+
+    def live_config(self) -> LiveConfig:
+        return LiveConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+class MetricsLoggerReporter(Reporter):
+    """The ``sinkwatch/*`` scalars through torchtitan's ``metrics_processor.logger.log(metrics, step)``."""
+
+    name = "torchtitan metrics logger"
+
+    def __init__(self, metrics_processor):
+        self.metrics_processor = metrics_processor
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        from .reporting.trackers import tracker_scalars
+
+        metrics = tracker_scalars(record)
+        if metrics:
+            self.metrics_processor.logger.log(metrics, record.get("step") or 0)
+
+
+class SinkWatchTrainer(Trainer):
+    """``torchtitan.trainer.Trainer`` with sinkwatch's live monitor (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        sinkwatch: SinkWatchOptions = field(default_factory=SinkWatchOptions)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.sinkwatch_setup()
+
+    def sinkwatch_setup(self, live_config: LiveConfig | None = None) -> None:
+        """Refusals, then the live monitor on ``model_parts[0]``; ``live_config`` (programmatic use: probe
+        sets, hooks, reporters) replaces the config's ``sinkwatch`` options."""
+        pd = self.parallel_dims
+        for kind, what in (("pp", "pipeline"), ("cp", "context"), ("tp", "tensor")):
+            if getattr(pd, f"{kind}_enabled", False):
+                raise ValueError(
+                    f"sinkwatch cannot probe torchtitan under {what} parallelism yet (a rank does not hold every layer, every "
+                    "position or every head); train with FSDP2/HSDP only, or probe the checkpoints afterwards"
+                )
+        import torch.distributed as dist
+
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        options = getattr(self.config, "sinkwatch", None) or SinkWatchOptions()
+        self.sinkwatch = LiveMonitor(live_config or options.live_config())
+        dp = max(1, int(getattr(pd, "dp_replicate", 1) or 1)) * max(1, int(getattr(pd, "dp_shard", 1) or 1))
+        self.sinkwatch.setup(self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp)
+        if rank0:
+            self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
+        self._sinkwatch_start = True  # the first batch of a fresh run probes the initial model
+
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        batch = {"input_ids": inputs}
+        self.sinkwatch.batch_start(batch)
+        self.sinkwatch.batch_end(batch)
+        if self._sinkwatch_start:
+            self._sinkwatch_start = False
+            if self.step <= 1:  # before the first forward: the weights are the initial ones
+                with _eager():
+                    self.sinkwatch.step_end(0)
+        return inputs, labels, extra_kwargs
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        with _eager():
+            self.sinkwatch.step_end(self.step)
+            if self.step >= self.config.training.steps:
+                self.sinkwatch.train_end(self.step)
+        if self.step >= self.config.training.steps:
+            self.sinkwatch.finish()
+
+    def load_state_dict(self, state_dict: dict[str, Any]):
+        super().load_state_dict(state_dict)
+        if getattr(self, "sinkwatch", None) is None or not self.step:
+            return
+        self._sinkwatch_start = False
+        cfg = self.sinkwatch.config
+        state = state_from_store(cfg.out_dir, self.step, cfg.monitor.stages) if self.sinkwatch.rank.reports_here else None
+        state = _broadcast(state)
+        if state is not None:
+            self.sinkwatch.load_state_dict(state)
+
+
+def sinkwatch_config(stock: Trainer.Config, **options: Any) -> SinkWatchTrainer.Config:
+    """A stock ``Trainer.Config`` (e.g. ``llama3_debugmodel()``) as a ``SinkWatchTrainer.Config``."""
+    fields = {f.name: getattr(stock, f.name) for f in dataclasses.fields(stock)}
+    return SinkWatchTrainer.Config(**fields, sinkwatch=SinkWatchOptions(**options))
+
+
+@contextlib.contextmanager
+def _eager():
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+        yield

@@ -1,0 +1,281 @@
+"""torchtitan 0.3.0 capture (issue 27): on torchtitan's own debug models (llama3: MHA, the scale the layer
+leaves to FlexAttention; qwen3: GQA, QK-norm, an explicit head_dim scale), built by its model registry,
+every record key equals an independent float64 computation from explicit attention weights.
+
+FlexAttention runs eagerly here (``flex_attention`` uncompiled, in both runs): its ``torch.compile``d
+kernel takes ~45 s per shape to build on this CPU, and has no backward on CPU at all."""
+
+import dataclasses
+import math
+import sys
+
+import independent as ind
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe  # noqa: E402
+from sinkwatch.capture import TorchtitanTarget, UnsupportedModelError, resolve_target  # noqa: E402
+
+PROB_ATOL, RATIO_RTOL, RATIO_ATOL, LOSS_ATOL = 2e-5, 1e-4, 1e-6, 1e-4
+
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
+
+
+def debug_model(family: str, seed: int = 0, **shrink):
+    if family == "llama3":
+        from torchtitan.models.llama3 import model_registry
+    else:
+        from torchtitan.models.qwen3 import model_registry
+    config = model_registry("debugmodel", attn_backend="flex").model
+    config.layers = config.layers[:2]  # two of its layers: the same blocks, a shorter test
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_states()
+    with torch.no_grad():  # sharper queries than the init: attention far from uniform, so the checks bite
+        for layer in model.layers.values():
+            for p in layer.attention.qkv_linear.parameters():
+                p.mul_(4.0)
+    return model.eval()
+
+
+def eager_run(model, tokens: torch.Tensor) -> dict:
+    """Attention (N, L, H, S, S) float64, block outputs, wo inputs, logits: an explicit causal softmax."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    layers = [model.layers[k] for k in sorted(model.layers.keys(), key=int)]
+    attn, resid, oproj = {}, {}, {}
+    current = {}
+
+    def explicit(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kw):
+        q, k, v = q.transpose(1, 2).double(), k.transpose(1, 2).double(), v.transpose(1, 2).double()  # (B, N, L, H)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+        S = s.shape[-1]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        attn[current["layer"]] = p
+        return (p @ v).float().transpose(1, 2)
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__("layer", i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, o.double())))
+        handles.append(layer.attention.wo.register_forward_pre_hook(lambda m, a, i=i: oproj.__setitem__(i, a[0].double())))
+    original = FlexAttention.forward
+    FlexAttention.forward = explicit
+    try:
+        with torch.no_grad():
+            B, S = tokens.shape
+            logits = model(tokens, attention_masks=model.get_attention_masks(torch.arange(S).expand(B, S)))
+    finally:
+        FlexAttention.forward = original
+        for h in handles:
+            h.remove()
+    L = len(layers)
+    return {
+        "attn": torch.stack([attn[i] for i in range(L)], dim=1).numpy(),
+        "resid": torch.stack([resid[i] for i in range(L)], dim=1).numpy(),
+        "oproj": torch.stack([oproj[i] for i in range(L)], dim=1).numpy(),
+        "logits": logits.double().numpy(),
+    }
+
+
+def close(a, b, *, atol=0.0, rtol=0.0):
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_allclose(a, b, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_torchtitan_debug_model_record_matches_float64(family):
+    model = debug_model(family)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    probes = [
+        InductionProbe(n=6, seq_len=64, vocab_range=(2, V)),
+        RepeatedRandomProbe(n=4, seq_len=24, vocab_range=(2, V)),
+        NaturalProbe(tokens=torch.randint(2, V, (2000,), generator=g), n=4, seq_len=32),
+    ]
+    monitor = Monitor(probes, config=MonitorConfig(batch_tokens=600))
+    record = monitor.probe(model).to_record()
+    assert record["model"] == f"torchtitan.{type(model).__name__}" and record["n_layers"] == 2
+    sets = {s.kind: s for s in monitor.probe_sets(V)}
+
+    nat = sets["natural"]
+    run = eager_run(model, nat.tokens)
+    close(record["sink_alpha"], ind.sink_metrics(run["attn"])["sink_alpha"], atol=PROB_ATOL)
+    p0 = ind.p0_metrics(run["resid"], nat.tokens.numpy())
+    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
+
+    probe = sets["induction"]
+    run = eager_run(model, probe.tokens)
+    toks = probe.tokens.numpy()
+    ab = np.array(
+        [
+            int(np.flatnonzero(toks[n, :-1] == probe.fields["token_b"][n])[0]) - 1
+            if (toks[n, :-1] == probe.fields["token_b"][n]).sum() == 1
+            else probe.fields["ab"][n]
+            for n in range(len(toks))
+        ]
+    )
+    sel = ind.selectivity_metrics(run["attn"], toks, ab, probe.fields["token_b"])
+    for cls, expected in sel["selectivity"].items():
+        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
+    close(record["pr"], ind.participation_ratio(run["oproj"], record["n_heads"]), rtol=RATIO_RTOL)
+    valid = sel["valid"]
+    target = ind.target_metrics(run["logits"][valid, -1], probe.fields["token_b"][valid])
+    assert record["induction_target"]["loss"] == pytest.approx(target["loss"], abs=LOSS_ATOL)
+
+    rep = sets["repeated"]
+    run = eager_run(model, rep.tokens)
+    pm = ind.prefix_metrics(run["attn"], run["logits"], rep.tokens.numpy(), rep.params["half_len"])
+    close(record["induction_score"], pm["induction_score"], atol=PROB_ATOL)
+    assert record["icl_score"] == pytest.approx(pm["icl_score"], abs=LOSS_ATOL)
+
+
+def test_other_torchtitan_models_are_refused_by_name():
+    model = debug_model("llama3")
+    assert isinstance(resolve_target(model), TorchtitanTarget)
+    model.lm_head = None  # a pipeline stage without the output layer
+    with pytest.raises(UnsupportedModelError, match="pipeline stage"):
+        resolve_target(model)
+    from torchtitan.models.common.decoder import Decoder
+
+    other = type("DeepSeekV3Model", (Decoder,), {})  # the name is what is checked
+    model.__class__ = other
+    with pytest.raises(UnsupportedModelError, match="DeepSeekV3Model is not supported"):
+        resolve_target(model)
+
+
+def _without_datasets(monkeypatch):
+    """torchtitan.trainer imports its Hugging Face data loaders, which import ``datasets``; datasets < 4.8 (its
+    pin) would downgrade this environment's fsspec, so where it is absent a module that refuses every use
+    stands in for it (no test here loads a dataset)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("datasets") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("datasets is not installed (a stand-in module)")
+
+    stub = types.ModuleType("datasets")
+    stub.Dataset, stub.load_dataset = type("Dataset", (), {}), refuse
+    stub.distributed = types.ModuleType("datasets.distributed")
+    stub.distributed.split_dataset_by_node = refuse
+    monkeypatch.setitem(sys.modules, "datasets", stub)
+    monkeypatch.setitem(sys.modules, "datasets.distributed", stub.distributed)
+
+
+@pytest.fixture
+def trainer_module(monkeypatch):
+    _without_datasets(monkeypatch)
+    import sinkwatch.torchtitan
+
+    return sinkwatch.torchtitan
+
+
+def _stand_in_trainer(tmp_path, steps: int, every: int):
+    """torchtitan's own unit-test pattern (tests/unit_tests/test_invalid_loss.py): a bare Trainer with only
+    what train_step touches; here the real debug model and its real config, forward_backward_step
+    standing in for the real one (FlexAttention has no backward on CPU) but calling the real
+    post_dataloading_process first, as it does."""
+    from unittest.mock import MagicMock
+
+    from torchtitan.models.llama3 import model_registry
+
+    from sinkwatch.torchtitan import SinkWatchOptions, SinkWatchTrainer
+
+    trainer = object.__new__(SinkWatchTrainer)
+    model = debug_model("llama3")
+    trainer.model_parts = [model]
+    trainer.model_config = model_registry("debugmodel", attn_backend="flex").model
+    trainer.optimizers = MagicMock()
+    trainer.lr_schedulers = MagicMock()
+    trainer.lr_schedulers.get_metrics.return_value = {}
+    trainer.checkpointer = MagicMock()
+    trainer.config = MagicMock()
+    trainer.config.training.max_norm = 1.0
+    trainer.config.training.steps = steps
+    trainer.config.parallelism.spmd_backend = "none"
+    trainer.config.sinkwatch = SinkWatchOptions(every_n_steps=every, out_dir=str(tmp_path / "sw"), wandb="disabled", console=False)
+    trainer.device = torch.device("cpu")
+    trainer.gradient_accumulation_steps = 1
+    trainer.num_pipeline_parallel_microbatches = 1
+    trainer.step = 0
+    trainer.ntokens_seen = 0
+    pd = MagicMock()
+    pd.dp_enabled = pd.pp_enabled = pd.cp_enabled = pd.tp_enabled = pd.dp_cp_enabled = pd.ep_enabled = False
+    pd.dp_replicate = pd.dp_shard = 1
+    pd.get_optional_mesh.return_value = None
+    trainer.parallel_dims = pd
+    trainer.metrics_processor = MagicMock()
+    trainer.metrics_processor.should_log.return_value = False
+
+    def forward_backward_step(*, input_dict, labels, global_valid_tokens):
+        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
+        assert "attention_masks" in extra  # built from positions, as in training
+        return torch.tensor(1.0)
+
+    trainer.forward_backward_step = forward_backward_step
+    # the default probe sets but smaller (eager FlexAttention on CPU is slow); natural windows from the batches
+    V = model.config.vocab_size
+    small = [InductionProbe(n=6, seq_len=64, vocab_range=(2, V)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, V))]
+    live = dataclasses.replace(trainer.config.sinkwatch.live_config(), probes=None)
+    trainer.sinkwatch_setup(live)
+    trainer.sinkwatch._build_monitor = lambda: Monitor([*small, trainer.sinkwatch.natural], config=live.monitor)
+    return trainer, model
+
+
+def _batches(V, B=2, L=64):
+    g = torch.Generator().manual_seed(5)
+    while True:
+        ids = torch.randint(2, V, (B, L + 1), generator=g)
+        yield {"input": ids[:, :-1], "positions": torch.arange(L).expand(B, L)}, ids[:, 1:]
+
+
+def test_sinkwatch_trainer_train_step_with_torchtitan_stand_ins(tmp_path, trainer_module):
+    """Probes at 0 (the first batch, before its forward), every 2 steps and the last; scalars through
+    metrics_processor.logger at those steps; tokens counted from post_dataloading_process; no hook left
+    on the model after a probe; records equal a direct probe of the same (unchanged) weights."""
+    from unittest.mock import MagicMock, patch
+
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    trainer, model = _stand_in_trainer(tmp_path, steps=3, every=2)
+    data = _batches(model.config.vocab_size)
+    clip = patch("torchtitan.trainer.dist_utils.clip_grad_norm_", return_value=torch.tensor(1.0))
+    with patch("torchtitan.trainer.sl", MagicMock()), clip:
+        for step in (1, 2, 3):
+            trainer.step = step
+            trainer.train_step(data)
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2, 3]
+    assert [r["tokens"] for r in records] == [0, 2 * 128, 3 * 128]
+    assert set(records[0]["probe_hashes"]) == {"induction", "repeated", "natural"}
+    logged = [(c.args[1], c.args[0]) for c in trainer.metrics_processor.logger.log.call_args_list]
+    assert [s for s, _ in logged] == [0, 2, 3] and all("sinkwatch/sink_rate" in m for _, m in logged)
+    assert all(not layer.attention.inner_attention._forward_hooks for layer in model.layers.values())
+    assert records[0]["sink_alpha"] == records[-1]["sink_alpha"]  # the optimizer is a stand-in: same weights, same record
+
+
+def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_path, trainer_module):
+    from sinkwatch.torchtitan import SinkWatchTrainer
+
+    trainer, _ = _stand_in_trainer(tmp_path, steps=1, every=1)
+    for kind in ("pp", "cp", "tp"):
+        setattr(trainer.parallel_dims, f"{kind}_enabled", True)
+        with pytest.raises(ValueError, match="parallelism"):
+            SinkWatchTrainer.sinkwatch_setup(trainer)
+        setattr(trainer.parallel_dims, f"{kind}_enabled", False)
