@@ -29,6 +29,7 @@ import sys
 import torch
 from torch import nn
 
+from .head import ProbeForward, losses_from_logits
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget
 
@@ -125,11 +126,12 @@ class LitGPTTarget(ProbeTarget):
     def capture(self, collector: Collector):
         session = CaptureSession(collector, self._blocks, self.name)
 
-        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        def forward(input_ids: torch.Tensor, all_logits: bool = False, token_losses: bool = False) -> ProbeForward:
             session.begin()
-            logits = self.model(input_ids)  # (B, S, padded_vocab_size)
+            logits = self.model(input_ids)  # (B, S, padded_vocab_size): GPT.forward has no last-position-only mode
             session.end()
-            return logits if all_logits else logits[:, -1:]
+            losses = losses_from_logits(logits, input_ids) if token_losses else None  # a chunk beside the model's own logits
+            return ProbeForward(logits if all_logits else logits[:, -1:], losses)
 
         wrapped = []
         try:

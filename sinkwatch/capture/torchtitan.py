@@ -23,6 +23,7 @@ import sys
 import torch
 from torch import nn
 
+from .head import ProbeForward, losses_from_logits
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
 
@@ -81,14 +82,15 @@ class TorchtitanTarget(ProbeTarget):
     def capture(self, collector: Collector):
         session = CaptureSession(collector, self._blocks, self.name)
 
-        def forward(input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        def forward(input_ids: torch.Tensor, all_logits: bool = False, token_losses: bool = False) -> ProbeForward:
             B, S = input_ids.shape
             positions = torch.arange(S, device=input_ids.device).expand(B, S)  # one document per row: causal
             masks = self.model.get_attention_masks(positions)
             session.begin()
-            logits = self.model(input_ids, attention_masks=masks)
+            logits = self.model(input_ids, attention_masks=masks)  # (B, S, V): torchtitan returns every position's
             session.end()
-            return logits if all_logits else logits[:, -1:]
+            losses = losses_from_logits(logits, input_ids) if token_losses else None
+            return ProbeForward(logits if all_logits else logits[:, -1:], losses)
 
         handles = []
         try:
