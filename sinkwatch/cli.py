@@ -132,7 +132,10 @@ def cmd_replay(args) -> int:
         print(format_plan(plan))
         return 0
     t = args.claim_timeout
-    claims = ClaimConfig(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else None
+    timing = dict(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else {}
+    if args.max_hold is not None:
+        timing["max_hold_s"] = args.max_hold
+    claims = ClaimConfig(**timing) if timing else None
     rows = replay(
         recipe,
         wandb=wandb_mode_from_env(args.wandb),
@@ -299,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds after which a silent worker's claim is taken over (default 600; heartbeats every quarter of it, at most 30 s)",
+    )
+    scale.add_argument(
+        "--max-hold",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a claim is heartbeat for at most this long (default 6 h): a worker hung in a probe or a download lets its "
+        "revision go stale then, and another worker takes it over (set it to a few times --plan's time per revision)",
     )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 

@@ -43,6 +43,7 @@ from .protocol import ProtocolLabel, resolve_protocol
 from .provenance import DuplicateGroup, provenance, warn_duplicates
 from .recipes import Recipe
 from .revisions import Revision, lineage
+from .signals import Terminated, exit_terminated, terminate_cleanly
 from .source import RevisionSource, revision_source
 from .store import ReplayStore, done_key, replay_key, store_group
 from .workers import Worker, detect_worker
@@ -361,6 +362,14 @@ class _Loop:
 
     # ---- the loop ----
     def run(self) -> list[dict]:
+        with terminate_cleanly():
+            try:
+                return self._run()
+            except Terminated as exc:  # _run freed the claims and the cache; a download thread is not waited for
+                exit_terminated(exc)
+                raise
+
+    def _run(self) -> list[dict]:
         rows: list[dict] = []
         pause = 0.25  # waiting for others' claims: looks again after 0.25 s, 0.5 s, ... up to poll_s
         try:
