@@ -103,7 +103,7 @@ class CacheGuard:
                 marker.write_text(json.dumps({"model": model}))
             return snapshot.exists() and not marker.exists()
 
-    def release(self, model: str, commit: str, *, evict: bool) -> int:
+    def release(self, model: str, commit: str, *, evict: bool, protect: set[str] = frozenset()) -> int:
         """This worker no longer needs ``commit``. With ``evict``, a revision sinkwatch downloaded and
         no other live worker needs leaves the cache; returns the bytes freed."""
         with self.lock:
@@ -118,7 +118,7 @@ class CacheGuard:
             needs = self._live_needs()
             if any(c == commit for c, _ in needs):
                 return 0  # another worker on this host uses it now: the last one evicts it
-            keep = {b for _, blobs in needs for b in blobs}
+            keep = {b for _, blobs in needs for b in blobs} | set(protect)
             freed = self._delete(model, commit, keep, extra=own)  # own: blobs still downloading (no snapshot link yet)
             marker.unlink(missing_ok=True)
             return freed
@@ -204,8 +204,12 @@ class Fetcher:
     """Downloads revisions of one model by commit (one at a time in the background), retried, and
     evicts them once the loop is done with them."""
 
-    def __init__(self, model: str, *, cache_dir=None, config: FetchConfig | None = None, worker_id: str = "worker", progress: bool = False):
+    def __init__(
+        self, model: str, *, cache_dir=None, config: FetchConfig | None = None, worker_id: str = "worker", progress: bool = False,
+        protect: set[str] = frozenset(),
+    ):  # fmt: skip
         self.model = model
+        self.protect = set(protect)  # blobs an eviction never deletes (those other manifest entries list)
         self.cache_dir = cache_dir
         self.config = config or FetchConfig()
         self.progress = progress
@@ -229,7 +233,7 @@ class Fetcher:
         commit = self._held.pop(rev.name, None)
         if commit is None:
             return 0
-        return self.guard.release(self.model, commit, evict=not self.config.keep_cache)
+        return self.guard.release(self.model, commit, evict=not self.config.keep_cache, protect=self.protect)
 
     def close(self, *, wait: bool = True) -> None:
         """Release (evict) whatever this fetcher still holds, after the download in flight (``wait``) —
