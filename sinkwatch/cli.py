@@ -131,7 +131,7 @@ def cmd_replay(args) -> int:
         plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops, **common)
         print(format_plan(plan))
         return 0
-    if args.manifest_only or args.task is not None or args.finalize:
+    if args.manifest_only or args.task is not None or args.finalize or args.failed_tasks:
         return _replay_engine_step(args, recipe, common, out)
     t = args.claim_timeout
     timing = dict(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else {}
@@ -166,8 +166,13 @@ def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
 
     unit = {k: common[k] for k in ("probes", "dtype", "device", "cache_dir", "tokens_per_step", "batch_tokens", "protocol", "fetch",
                                    "max_memory", "lightning_module", "live_store")}  # fmt: skip
-    if sum((args.manifest_only, args.task is not None, args.finalize)) > 1:
-        raise ValueError("--manifest-only, --task and --finalize are three steps: run one at a time")
+    if sum((args.manifest_only, args.task is not None, args.finalize, args.failed_tasks)) > 1:
+        raise ValueError("--manifest-only, --task, --finalize and --failed-tasks are separate steps: run one at a time")
+    if args.failed_tasks:
+        from .replay import failed_tasks
+
+        print(",".join(str(i) for i in failed_tasks(recipe, out_dir=out, **unit)))
+        return 0
     if args.manifest_only:
         listing = {k: v for k, v in unit.items() if k not in ("device", "fetch", "max_memory")}
         m = write_manifest(recipe, out_dir=out, revisions=common["revisions"], log_spaced=common["log_spaced"],
@@ -363,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="measure task N of DIR/manifest.json (0-based; one per Slurm array index: --task $SLURM_ARRAY_TASK_ID); no claims; "
         "exit 1 on failure, after writing the failed row",
+    )
+    eng.add_argument(
+        "--failed-tasks",
+        action="store_true",
+        help="print the manifest's task indices not done (failed, killed or never run), comma-separated: "
+        "resubmit them with sbatch --array=$(...)",
     )
     eng.add_argument(
         "--finalize",

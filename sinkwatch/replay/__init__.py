@@ -72,7 +72,7 @@ from .store import (
     replay_key,
     shard_from_env,
 )
-from .unit import RevisionFailed, finalize, replay_revision, write_manifest
+from .unit import RevisionFailed, failed_tasks, finalize, replay_revision, write_manifest
 from .workers import Worker, detect_worker
 
 __all__ = [
@@ -96,6 +96,7 @@ __all__ = [
     "detect_worker",
     "done_key",
     "failed_revisions",
+    "failed_tasks",
     "finalize",
     "format_plan",
     "is_recipe",

@@ -113,6 +113,16 @@ def replay_revision(model, revision, *, out_dir: str | os.PathLike, **options) -
     return row
 
 
+def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[int]:
+    """Indices of the manifest's tasks with a revision not done (failed, killed by a time limit, never run):
+    what to resubmit (``sbatch --array=...``)."""
+    setup, _, _, cache_dir = _split(options, ("claims", "shard", "skip_duplicates", "ablate", "ablation_revision"), "failed_tasks")
+    s = _setup(model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup)
+    store = ReplayStore(out_dir)
+    revs = {r.name: r for r in s.revisions}
+    return [i for i, task in enumerate(s.manifest.tasks()) if not all(store.is_done(done_key(s.key, n, revs[n].commit)) for n in task)]
+
+
 def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, ablation_revision: str | None = None, **options) -> dict:
     """After the tasks (a job on ``afterany``): derive the stages over the whole store in step order into
     ``DIR/trajectory.json``, run the group ablation once (as ``replay`` decides it), and say which of the
@@ -153,4 +163,4 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     return summary
 
 
-__all__ = ["MANIFEST_FILE", "RevisionFailed", "finalize", "replay_revision", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "RevisionFailed", "failed_tasks", "finalize", "replay_revision", "write_manifest"]
