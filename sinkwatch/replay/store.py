@@ -138,6 +138,7 @@ class ReplayStore:
         self._legacy: list[dict] = []
         self._files: dict[str, tuple[int, list[dict]]] = {}  # record file name -> (mtime_ns, its rows)
         self._legacy_done: set[str] | None = None
+        self.is_done("")  # a legacy store's done keys, read once now: every lookup after is one stat
 
     def rows(self) -> list[dict]:
         """Every complete row of the store (ok and failed): the record files, then the legacy jsonl files, read up to now."""
