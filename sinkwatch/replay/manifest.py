@@ -194,23 +194,33 @@ def resolve(
                     f"(`{manifest_command(recipe.model, out)} --revisions ...`)"
                 )
         return m, m.source(cache_dir, local_source.local if local_source is not None else None)
-    existing = read_manifest(out) if out is not None and (out / MANIFEST_FILE).is_file() else None
-    if existing is not None and (existing.model != recipe.model or key_difference(existing.replay_key, key)):
-        existing = None  # another measurement: the store check refuses the store itself, with the difference named
+    local = local_source.local if local_source is not None else None
+
+    def compute(previous):
+        return _compute(recipe, names, key=key, log_spaced=log_spaced, cache_dir=cache_dir, tokens_per_step=tokens_per_step,
+                        previous=previous, local_source=local_source)  # fmt: skip
+
+    def other(m: Manifest | None) -> list[str]:  # the manifest of another measurement: never overwritten here
+        if m is None:
+            return []
+        return [f"model: {m.model} -> {recipe.model}"] if m.model != recipe.model else key_difference(m.replay_key, key)
+
     if mode == "peek" or out is None:
-        m = _compute(recipe, names, key=key, log_spaced=log_spaced, cache_dir=cache_dir, tokens_per_step=tokens_per_step,
-                     previous=existing, local_source=local_source)  # fmt: skip
-        return m, m.source(cache_dir, local_source.local if local_source is not None else None)
+        existing = read_manifest(out) if out is not None and (out / MANIFEST_FILE).is_file() else None
+        m = compute(None if other(existing) else existing)
+        return m, m.source(cache_dir, local)
     with _locked(out):
-        if mode == "reuse":
-            existing = read_manifest(out) or existing
-            if existing is not None and (existing.model != recipe.model or key_difference(existing.replay_key, key)):
-                existing = None
-        m = _compute(recipe, names, key=key, log_spaced=log_spaced, cache_dir=cache_dir, tokens_per_step=tokens_per_step,
-                     previous=existing, local_source=local_source)  # fmt: skip
-        if mode == "refresh" or existing is None or _changed(existing, m):
-            write_atomic(out / MANIFEST_FILE, m.to_json())
-    return m, m.source(cache_dir, local_source.local if local_source is not None else None)
+        existing = read_manifest(out)
+        diff = other(existing)
+        if diff and mode == "refresh":
+            raise ValueError(
+                f"{out}/{MANIFEST_FILE} was written for another measurement ({'; '.join(diff)}): replay into another --out, "
+                "or move the store's manifest.json and records away"
+            )
+        m = compute(None if diff else existing)
+        if not diff and (mode == "refresh" or existing is None or _changed(existing, m)):
+            write_atomic(out / MANIFEST_FILE, m.to_json())  # a store of another measurement is refused by the store check
+    return m, m.source(cache_dir, local)
 
 
 def _changed(old: Manifest, new: Manifest) -> bool:
