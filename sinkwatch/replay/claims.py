@@ -116,6 +116,12 @@ class Claims:
             if owner.get("token") != self.me["token"] and liveness.is_alive(self.alive_dir, owner) is False:
                 p.unlink(missing_ok=True)
                 freed.append(owner.get("revision", m.group("item")))
+                warnings.warn(
+                    f"sinkwatch replay: taking over {freed[-1]} from {owner.get('worker', 'an unknown worker')}, whose process is "
+                    "gone (its alive lock is free)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         liveness.sweep(self.alive_dir)
         return freed
 

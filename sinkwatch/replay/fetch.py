@@ -69,7 +69,7 @@ class CacheGuard:
     """What sinkwatch workers on one host record in a shared Hugging Face cache, under one file lock.
 
     ``downloaded/COMMIT``: a sinkwatch replay downloaded that revision (of the model the file names)
-    and evicts it once measured. ``needs/COMMIT.TOKEN.json``: a live worker still needs that revision
+    and evicts it once measured. ``needs/COMMIT.WORKER.TOKEN.json``: a live worker still needs that revision
     (and its blobs); ``alive/TOKEN.alive``: that worker's liveness lock."""
 
     def __init__(self, cache_dir: str | os.PathLike | None, worker_id: str, *, sweep: bool = True):
@@ -127,7 +127,7 @@ class CacheGuard:
         liveness.release(self.alive_dir)
 
     def _need_path(self, commit: str) -> Path:
-        return self.root / "needs" / f"{commit}.{self.me['token']}.json"
+        return self.root / "needs" / f"{commit}.{self.worker_id}.{self.me['token']}.json"
 
     def _live_needs(self) -> list[tuple[str, set[str]]]:
         """(commit, blobs) of every live worker's needs (under the lock). A dead worker's (its alive lock
