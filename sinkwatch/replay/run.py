@@ -1,5 +1,8 @@
 """The replay loop (SPEC §8): revisions claimed in the store, fetched one ahead, probed, written, evicted.
 
+This is the claim mode, for plain processes (torchrun, ``srun -n``, hosts started by hand); engines
+(Slurm arrays, submitit, Ray) run the per-revision unit of ``unit`` instead, over the manifest's tasks.
+
 One worker, whatever launched it, runs ``replay``:
 
 1. the revisions to replay, in training order (``--shard K/N`` keeps every N-th: a static split);
@@ -165,7 +168,8 @@ def replay(
 ) -> list[dict]:
     """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows
     this worker wrote (ok and failed). Run it in as many processes as you like, on any hosts sharing
-    ``out_dir``: each revision is measured once (see the module doc).
+    ``out_dir``: the claim mode (best effort: each revision is recorded once, and measured once unless a
+    claim is taken over from a worker that was only slow; under an engine use ``replay_revision``).
 
     Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``), and are
     replayed in training order. ``shard=(K, N)`` keeps every N-th from K (a static split). ``model``
@@ -331,35 +335,12 @@ class _Job:
     error: BaseException | None = None
 
 
-class _NoClaims:
-    """The unit's claims: an engine gives each revision to one task, so there is nothing to claim."""
-
-    config = ClaimConfig()
-    _held: dict = {}
-
-    def try_claim(self, item, info=None) -> bool:
-        return True
-
-    def lost(self, item) -> bool:
-        return False
-
-    def failed_this_job(self, item) -> bool:
-        return False
-
-    def release(self, item, *, failed: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class _Loop:
     def __init__(
         self, s: _Setup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, claims: ClaimConfig | None, max_memory,
-        unit: bool = False, protect: set[str] = frozenset(),
+        protect: set[str] = frozenset(),
     ):  # fmt: skip
         self.s = s
-        self.unit = unit  # the per-revision unit: no claims, no store-wide reading (finalize derives the stages)
         self.out_dir = out_dir
         self.worker = detect_worker()
         if self.worker.launcher == "local-rank":
@@ -370,13 +351,12 @@ class _Loop:
                 stacklevel=3,
             )
         self.store = ReplayStore(out_dir, self.worker)
-        if not unit:
-            self.store.check(s.key)  # the unit's manifest was written for this key (manifest.require_manifest)
+        self._check_store()
         self.device = _worker_device(device, self.worker)
         self.cache_dir = cache_dir
         self.fetch_config = fetch
         self.max_memory = max_memory
-        self.claims = _NoClaims() if unit else Claims(out_dir, self.worker, claims)
+        self.claims = self._claims(out_dir, claims)
         self.fetcher = Fetcher(
             s.recipe.model, cache_dir=cache_dir, config=fetch, worker_id=self.worker.id, progress=progress, protect=protect
         )
@@ -391,6 +371,12 @@ class _Loop:
         self.bar = _counter(len(s.mine), progress, s.recipe.model)
         self._shapes: dict[str, ModelShape] = {}
         self._kept: tuple[Revision, Path] | None = None  # the ablation revision, on disk until the ablation ran
+
+    def _check_store(self) -> None:
+        self.store.check(self.s.key)
+
+    def _claims(self, out_dir, config: ClaimConfig | None):
+        return Claims(out_dir, self.worker, config)
 
     # ---- the loop ----
     def run(self) -> list[dict]:
@@ -433,38 +419,6 @@ class _Loop:
             raise
         self._close(wait=True)
         return rows
-
-    # ---- the unit: one task of the manifest ----
-    def measure_task(self, rev: Revision, members: Sequence[Revision], measured: dict | None = None) -> dict[str, dict]:
-        """Measure ``rev`` once (or take its stored record, ``measured``) and write a record for each member
-        of its task (revisions with identical weights): the same numbers under each one's own name,
-        commit and flags (``measured_as``: the revision that was probed). Returns name -> row."""
-        row = measured
-        if row is None:
-            job = self._start(rev)
-            path = self._await(job)
-            row = self._measure(job, path)
-            self._done_with(job, path)
-        rows = {rev.name: row}
-        for m in members:
-            if m.name == rev.name:
-                continue
-            if self.store.is_done(done_key(self.s.key, m.name, m.commit)):
-                continue
-            copy = {k: v for k, v in row.items() if k not in ("written_at", "run", "stage", "path", "duplicate_group", "duplicate_kind")}
-            copy.update({"revision": m.name, "step": m.step, "tokens": m.tokens, **self._about(m), "measured_as": rev.name})
-            self.store.write(copy)
-            rows[m.name] = copy
-        return rows
-
-    def write_failed(self, revs: Sequence[Revision], exc: BaseException) -> None:
-        """Failed rows for ``revs`` (the unit's task, interrupted by ``exc``)."""
-        recipe = self.s.recipe
-        for rev in revs:
-            self.store.write({
-                "model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, "dtype": self.s.dtype,
-                "replay_key": self.s.key, **self._about(rev), "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-            })  # fmt: skip
 
     def _claim_next(self, exclude: Sequence[str]):
         """Claim the first revision not done anywhere, not failed in this job and not held by another
@@ -671,8 +625,6 @@ class _Loop:
         """A tracker that has seen every stored revision (any worker's) before ``rev`` in its lineage —
         its run, and for a parallel run the main run before it — in training order: the order
         ``merged_records`` (the report) derives the stages in. Flagged duplicates are no trajectory points."""
-        if self.unit:  # stages in step order are finalize's (merged_records): a unit reads nothing of the store
-            return StageTracker(self.monitor.config.stages)
         latest = {r["revision"]: r for r in self.store.ok_records(self.s.key) if r["revision"] != rev.name}
         here = {"revision": rev.name, "step": rev.step, "run": rev.run, "stage": rev.stage, "_this": True}
         points = [r for r in latest.values() if not r.get("duplicate_of")] + [here]

@@ -19,8 +19,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from ..stages import StageTracker
+from .claims import ClaimConfig
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, write_atomic
 from .revisions import Revision
@@ -31,6 +34,74 @@ from .store import ReplayStore, done_key, failed_revisions, merged_records
 _SETUP = ("probes", "dtype", "tokens_per_step", "batch_tokens", "monitor_config", "protocol", "lightning_module", "live_store")
 _LOOP = ("device", "wandb", "progress", "max_memory")
 _IGNORED = ("revisions", "log_spaced", "shard", "claims", "skip_duplicates", "ablate", "ablation_revision")  # replay's, meaningless here
+
+
+class _NoClaims:
+    """The unit's claims: an engine gives each revision to one task, so there is nothing to claim."""
+
+    config = ClaimConfig()
+    _held: dict = {}
+
+    def try_claim(self, item, info=None) -> bool:
+        return True
+
+    def lost(self, item) -> bool:
+        return False
+
+    def failed_this_job(self, item) -> bool:
+        return False
+
+    def release(self, item, *, failed: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _UnitLoop(_Loop):
+    """The replay loop's parts (place, fetch, measure, write, evict) for one task: no claims, nothing read
+    of the store but its own keys (finalize derives the stages in step order)."""
+
+    def _check_store(self) -> None:
+        pass  # the manifest was written for this key (manifest.require_manifest) after the store's check
+
+    def _claims(self, out_dir, config):
+        return _NoClaims()
+
+    def _tracker_before(self, rev: Revision) -> StageTracker:
+        return StageTracker(self.monitor.config.stages)
+
+    def measure_task(self, rev: Revision, members: Sequence[Revision], measured: dict | None = None) -> dict[str, dict]:
+        """Measure ``rev`` once (or take its stored record, ``measured``) and write a record for each member
+        of its task (revisions with identical weights): the same numbers under each one's own name,
+        commit and flags (``measured_as``: the revision that was probed). Returns name -> row."""
+        row = measured
+        if row is None:
+            job = self._start(rev)
+            path = self._await(job)
+            row = self._measure(job, path)
+            self._done_with(job, path)
+        rows = {rev.name: row}
+        for m in members:
+            if m.name == rev.name:
+                continue
+            if self.store.is_done(done_key(self.s.key, m.name, m.commit)):
+                continue
+            copy = {k: v for k, v in row.items() if k not in ("written_at", "run", "stage", "path", "duplicate_group", "duplicate_kind")}
+            copy.update({"revision": m.name, "step": m.step, "tokens": m.tokens, **self._about(m), "measured_as": rev.name})
+            self.store.write(copy)
+            rows[m.name] = copy
+        return rows
+
+    def write_failed(self, revs: Sequence[Revision], exc: BaseException) -> None:
+        """Failed rows for ``revs`` (the unit's task, interrupted by ``exc``)."""
+        recipe = self.s.recipe
+        for rev in revs:
+            self.store.write({
+                "model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, "dtype": self.s.dtype,
+                "replay_key": self.s.key, **self._about(rev), "status": "failed", "error": f"{type(exc).__name__}: {exc}",
+            })  # fmt: skip
+
 
 
 class RevisionFailed(RuntimeError):
@@ -84,7 +155,7 @@ def replay_revision(model, revision, *, out_dir: str | os.PathLike, **options) -
     cache = tempfile.mkdtemp(prefix="sinkwatch-task-") if own_cache else cache_dir
     protect = set() if own_cache else m.blobs_except(task)  # blobs other revisions list stay in a shared cache
     s.mine = [revs[task[0]]]
-    loop = _Loop(s, out_dir=out_dir, cache_dir=cache, fetch=fetch, claims=None, unit=True, protect=protect, **loop_opts)
+    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache, fetch=fetch, claims=None, protect=protect, **loop_opts)
     rows: dict[str, dict] = {}
     try:
         with terminate_cleanly() as ours:
@@ -152,7 +223,7 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     if ablate:
         s.ablation = s.ablation or s.revisions[-1].name
         check_ablation(out_dir, ablation_key(s.key, s.ablation))
-        loop = _Loop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, claims=None, unit=True, **loop_opts)
+        loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, claims=None, **loop_opts)
         try:
             loop._ablation()
         finally:
