@@ -27,7 +27,7 @@ import pytest
 from local_hub import LocalHub, patched_endpoint
 from tiny_models import build
 
-from sinkwatch.replay import ClaimConfig, FetchConfig, record_files, replay
+from sinkwatch.replay import ClaimConfig, FetchConfig, liveness, record_files, replay
 from sinkwatch.replay.claims import Claims
 from sinkwatch.replay.fetch import CacheGuard, Fetcher
 from sinkwatch.replay.revisions import Revision
@@ -192,11 +192,13 @@ def test_a_live_worker_in_another_pid_namespace_keeps_its_revision(online, tmp_p
         inner.wait()
         inner.stdout.close()
     outer.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", commit], capture_output=True).returncode == 0:
+    alive = cache / ".locks" / "sinkwatch" / "alive"
+    deadline = time.time() + 30  # until the kernel has ended the namespace (and dropped the inner worker's lock)
+    while time.time() < deadline and any(liveness.is_alive(alive, json.loads(f.read_text())) for f in alive.glob("*.alive")):
         time.sleep(0.1)
     CacheGuard(str(cache), "next").close()  # the inner worker is gone now: the next start sweeps its need and the revision
-    assert snapshots(cache) == [] and not list((cache / "models--org--tiny" / "blobs").glob("*"))
+    registry = sorted(str(p.relative_to(cache)) for p in (cache / ".locks" / "sinkwatch").rglob("*"))
+    assert snapshots(cache) == [] and not list((cache / "models--org--tiny" / "blobs").glob("*")), registry
 
 
 # ---- item 5: SIGTERM, dead workers, failed writes -------------------------------------------------------------------
