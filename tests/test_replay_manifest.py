@@ -86,12 +86,23 @@ def test_per_revision_units_flag_duplicates_and_finalize_leaves_them_out(hub, tm
         assert m.tasks() == [["step100"], ["step150", "step250", "step300"], ["step200"]]
         for name in ("step100", "step150", "step200", "step250", "step300"):
             replay_revision("org/dup", name, out_dir=store, probes=PROBES, fetch=FAST)
-        summary = finalize("org/dup", out_dir=store, probes=PROBES)
+        summary = finalize("org/dup", out_dir=store, probes=PROBES, ablate=True, ablation_revision="step200")
     flags = {r["revision"]: r["duplicate_of"] for r in rows(store)}
     assert flags == {"step100": None, "step150": "main", "step200": None, "step250": "main", "step300": "main"}
     assert [r["revision"] for r in merged_records(store)] == ["step100", "step200"]
     assert [t["revision"] for t in summary["trajectory"]] == ["step100", "step200"]
+    assert summary["done"] == ["step100", "step150", "step200", "step250", "step300"] and summary["failed"] == {}
+    assert summary["ablation"]["status"] == "ok" and summary["ablation"]["screen"] == "record"  # run once, from step200's record
     assert hub.downloads("org/dup/resolve/" + hub.commit_of("org/dup", "step250")) == []  # measured as step150, once
+    # a store of the old layout (one records*.jsonl per worker) still reads: done, merged, finalized
+    legacy = store / "records.old-worker.jsonl"
+    legacy.write_text("".join(p.read_text() for p in sorted((store / "records").glob("*.json"))))
+    for p in (store / "records").glob("*.json"):
+        p.unlink()
+    hub.log.clear()
+    assert replay_revision("org/dup", "step100", out_dir=store, probes=PROBES, fetch=FAST)["revision"] == "step100"
+    assert hub.downloads() == [] and [r["revision"] for r in merged_records(store)] == ["step100", "step200"]
+    assert finalize("org/dup", out_dir=store, probes=PROBES)["done"] == summary["done"]
 
 
 # ---- item 6 ------------------------------------------------------------------------------------------------------------

@@ -181,17 +181,20 @@ class ReplayStore:
             return True
         if self._legacy_done is None:
             offsets: dict[Path, int] = {}
-            rows = (r for p in _legacy_files(self.dir) for r in _read_new_lines(p, offsets))
-            self._legacy_done = {record_done_key(r) for r in rows if _is_ok_record(r)}
+            rows = write_order(r for p in _legacy_files(self.dir) for r in _read_new_lines(p, offsets))
+            self._legacy_ok = {record_done_key(r): r for r in rows if _is_ok_record(r)}  # the latest written of each key
+            self._legacy_done = set(self._legacy_ok)
         return done in self._legacy_done
 
     def read(self, done: str) -> dict | None:
         """The successful record of done key ``done``, else its failed row, else None."""
-        for path in (self.record_path(done), self.record_path(done, failed=True)):
-            rows = _read_new_lines(path, {})
-            if rows:
-                return rows[-1]
-        return None
+        rows = _read_new_lines(self.record_path(done), {})
+        if rows:
+            return rows[-1]
+        if self.is_done(done):  # a legacy store's record
+            return self._legacy_ok[done]
+        rows = _read_new_lines(self.record_path(done, failed=True), {})
+        return rows[-1] if rows else None
 
     def check(self, key: dict) -> None:
         """Refuse (StoreMismatchError) when any successful record of the store was made with another replay key."""
