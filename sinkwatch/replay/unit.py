@@ -103,7 +103,6 @@ class _UnitLoop(_Loop):
             })  # fmt: skip
 
 
-
 class RevisionFailed(RuntimeError):
     """A revision's measurement failed; its failed row is in the store (an engine may retry the task)."""
 
