@@ -255,11 +255,19 @@ def stored_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def record_files(store_dir: str | os.PathLike) -> list[Path]:
-    """The store's record files: one per done key (``records/KEY.json``, ``records/KEY.failed.json``), then the
-    legacy ``records*.jsonl`` (except files set aside as ``*.superseded*``). Each is JSON lines (a record file: one line)."""
+    """The store's record files: one per done key (``records/KEY.json``, ``records/KEY.failed.json``) in the order
+    they were written, then the legacy ``records*.jsonl`` (except files set aside as ``*.superseded*``). Each is JSON
+    lines (a record file: one line)."""
     d = Path(store_dir) / RECORDS_DIR
-    own = sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []
-    return [*own, *_legacy_files(store_dir)]
+    own = [p for p in d.glob("*.json") if not p.name.startswith(".")] if d.is_dir() else []
+    return [*sorted(own, key=_written), *_legacy_files(store_dir)]  # in the order they were written, as one file's lines were
+
+
+def _written(p: Path) -> tuple[int, str]:
+    try:
+        return p.stat().st_mtime_ns, p.name
+    except FileNotFoundError:  # a failed row a success replaced meanwhile
+        return 0, p.name
 
 
 def _legacy_files(store_dir: str | os.PathLike) -> list[Path]:
