@@ -143,8 +143,13 @@ def cmd_replay(args) -> int:
         plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops, **common)
         print(format_plan(plan))
         return 0
+    if args.manifest_only or args.task is not None or args.finalize or args.failed_tasks:
+        return _replay_engine_step(args, recipe, common, out)
     t = args.claim_timeout
-    claims = ClaimConfig(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else None
+    timing = dict(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else {}
+    if args.max_hold is not None:
+        timing["max_hold_s"] = args.max_hold
+    claims = ClaimConfig(**timing) if timing else None
     rows = replay(
         recipe,
         wandb=wandb_mode_from_env(args.wandb),
@@ -165,6 +170,55 @@ def cmd_replay(args) -> int:
         print(f"group ablation at {ablation.get('revision')}: {state} -> {Path(out) / 'ablation.json'}")
     print(f"next: sinkwatch report {out}")
     return 0 if not failed else 1
+
+
+def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
+    """``--manifest-only`` (the driver), ``--task N`` (one engine task), ``--finalize`` (after them all)."""
+    from .replay import RevisionFailed, finalize, read_manifest, replay_revision, write_manifest
+
+    unit = {k: common[k] for k in ("probes", "dtype", "device", "cache_dir", "tokens_per_step", "batch_tokens", "protocol", "fetch",
+                                   "max_memory", "lightning_module", "live_store")}  # fmt: skip
+    if sum((args.manifest_only, args.task is not None, args.finalize, args.failed_tasks)) > 1:
+        raise ValueError("--manifest-only, --task, --finalize and --failed-tasks are separate steps: run one at a time")
+    if args.failed_tasks:
+        from .replay import failed_tasks
+
+        print(",".join(str(i) for i in failed_tasks(recipe, out_dir=out, **unit)))
+        return 0
+    if args.manifest_only:
+        listing = {k: v for k, v in unit.items() if k not in ("device", "fetch", "max_memory")}
+        m = write_manifest(recipe, out_dir=out, revisions=common["revisions"], log_spaced=common["log_spaced"],
+                           skip_duplicates=common["skip_duplicates"], **listing)  # fmt: skip
+        tasks = m.tasks()
+        groups = {g.members for g in m.groups().values()}
+        print(f"manifest: {Path(out) / 'manifest.json'}: {len(m.revisions)} revision(s) in {len(tasks)} task(s) "
+              f"({len(groups)} duplicate group(s) over the {len(m.entries)} listed)")  # fmt: skip
+        print(f"tasks: --task 0 .. --task {len(tasks) - 1}   (sbatch --array=0-{len(tasks) - 1})")
+        return 0
+    if args.task is not None:
+        m = read_manifest(out)
+        if m is None:  # replay_revision says what to run
+            replay_revision(recipe, "-", out_dir=out, **unit)
+        tasks = m.tasks()
+        if not 0 <= args.task < len(tasks):
+            raise ValueError(f"--task {args.task}: {Path(out) / 'manifest.json'} has tasks 0 .. {len(tasks) - 1}")
+        try:
+            row = replay_revision(recipe, tasks[args.task][0], out_dir=out, progress=not args.no_progress, **unit)
+        except RevisionFailed as exc:
+            print(f"sinkwatch replay --task {args.task}: {exc}", file=sys.stderr)
+            return 1
+        print(f"task {args.task}: {', '.join(tasks[args.task])} -> {row['status']}")
+        return 0
+    summary = finalize(recipe, out_dir=out, ablate=args.ablate, ablation_revision=args.ablation_revision, **unit)
+    print(f"finalize {out}: {len(summary['done'])} done, {len(summary['failed'])} failed, {len(summary['missing'])} missing")
+    for name, error in summary["failed"].items():
+        print(f"  failed: {name}: {error}")
+    for name in summary["missing"]:
+        print(f"  missing: {name}")
+    if summary["ablation"] is not None:
+        print(f"group ablation at {summary['ablation'].get('revision')}: {summary['ablation'].get('status')}")
+    print(f"next: sinkwatch report {out}")
+    return 0 if not summary["failed"] and not summary["missing"] else 1
 
 
 def cmd_demo(args) -> int:
@@ -314,6 +368,40 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds after which a silent worker's claim is taken over (default 600; heartbeats every quarter of it, at most 30 s)",
+    )
+    eng = r.add_argument_group("engines (docs/replay.md: Slurm arrays, submitit, Ray)")
+    eng.add_argument(
+        "--manifest-only",
+        action="store_true",
+        help="write DIR/manifest.json (refs, commits, fingerprints, duplicate groups over the whole run, tasks) and stop: "
+        "the driver's step, before any task starts",
+    )
+    eng.add_argument(
+        "--task",
+        type=int,
+        default=None,
+        metavar="N",
+        help="measure task N of DIR/manifest.json (0-based; one per Slurm array index: --task $SLURM_ARRAY_TASK_ID); no claims; "
+        "exit 1 on failure, after writing the failed row",
+    )
+    eng.add_argument(
+        "--failed-tasks",
+        action="store_true",
+        help="print the manifest's task indices not done (failed, killed or never run), comma-separated: "
+        "resubmit them with sbatch --array=$(...)",
+    )
+    eng.add_argument(
+        "--finalize",
+        action="store_true",
+        help="after the tasks: derive the stages in step order (DIR/trajectory.json), run the ablation once, list what failed",
+    )
+    scale.add_argument(
+        "--max-hold",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a claim is heartbeat for at most this long (default 6 h): a worker hung in a probe or a download lets its "
+        "revision go stale then, and another worker takes it over (set it to a few times --plan's time per revision)",
     )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 

@@ -34,8 +34,8 @@ PROBES = [InductionProbe(n=24, seq_len=128), RepeatedRandomProbe(n=8, seq_len=64
 
 
 def store_rows(store) -> list[dict]:
-    """Every row of a replay store (each worker appends to its own records.WORKER.jsonl)."""
-    return [r for p in record_files(store) for r in read_jsonl(p)]
+    """Every row of a replay store (one file per record, records/KEY.json), in the order they were written."""
+    return sorted((r for p in record_files(store) for r in read_jsonl(p)), key=lambda r: r.get("written_at", 0.0))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, t
     assert [r["revision"] for r in rows] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
     assert all(r["status"] == "ok" for r in rows)
     records = store_rows(tmp_path)
-    assert len(records) == 6 and len(record_files(tmp_path)) == 1  # one worker, one file
+    assert len(records) == 6 and len(record_files(tmp_path)) == 6  # one file per record (issue 26)
     assert [r["tokens"] for r in records] == [revision_step(r["revision"]) * TOKENS_PER_STEP for r in records]
     assert records[-1]["induction_state"] == "formed" and records[0]["induction_state"] == "absent"
     assert len({r["probe_hash"] for r in records}) == 1

@@ -5,7 +5,7 @@
 
 Each revision is downloaded by the commit its branch resolved to (or read from a local Hugging Face
 cache when ``HF_HUB_OFFLINE=1``), probed with the same ``Monitor`` as a live run, and written as one
-record to the worker's own ``DIR/records.WORKER.jsonl``. A record is appended only once complete;
+record to ``DIR/records/KEY.json`` (one file per done key, written whole). A record is written only once complete;
 a revision done anywhere in the store is skipped; a revision that fails is recorded with its reason
 and the others go on. Any number of workers share one store (``claims``).
 
@@ -16,11 +16,15 @@ One module per idea:
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
 - ``store``: the replay key, the done key, the workers' files and merged reading;
 - ``workers``: who this worker is, whatever launched it;
-- ``claims``: which worker measures which revision (exclusive files, heartbeat, takeover);
+- ``manifest``: refs, commits, fingerprints, duplicate groups and tasks, computed once (``DIR/manifest.json``);
+- ``claims``: the best-effort claim mode: which worker measures which revision (exclusive files, heartbeat, takeover);
+- ``liveness``: whether another process is alive (an ``flock`` only a live process holds);
+- ``signals``: SIGTERM as an exception, so a replay frees what it holds;
 - ``fetch``: download by commit, prefetch, retries, eviction;
 - ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);
 - ``ablation``: the paper's group ablation at one revision (``DIR/ablation.json``);
-- ``run``: the loop (``replay``, ``replay_revision``, ``replay_plan``).
+- ``run``: the loop (``replay``, ``replay_plan``);
+- ``unit``: the engines' side: ``write_manifest``, the per-revision unit ``replay_revision``, ``finalize``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .ablation import (
 )
 from .claims import ClaimConfig
 from .fetch import FetchConfig
+from .manifest import MANIFEST_FILE, Manifest, read_manifest
 from .plan import Plan, format_plan
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
 from .revisions import (
@@ -53,7 +58,7 @@ from .revisions import (
     select_log_spaced,
     training_order,
 )
-from .run import replay, replay_plan, replay_revision
+from .run import replay, replay_plan
 from .store import (
     ReplayStore,
     StoreMismatchError,
@@ -67,10 +72,14 @@ from .store import (
     replay_key,
     shard_from_env,
 )
+from .unit import RevisionFailed, failed_tasks, finalize, replay_revision, write_manifest
 from .workers import Worker, detect_worker
 
 __all__ = [
     "ABLATION_FILE",
+    "MANIFEST_FILE",
+    "Manifest",
+    "RevisionFailed",
     "PAPER_ABLATION_DTYPE",
     "PAPER_CONTROL_RULE",
     "ClaimConfig",
@@ -87,6 +96,8 @@ __all__ = [
     "detect_worker",
     "done_key",
     "failed_revisions",
+    "failed_tasks",
+    "finalize",
     "format_plan",
     "is_recipe",
     "key_difference",
@@ -101,6 +112,7 @@ __all__ = [
     "parse_revisions",
     "parse_shard",
     "read_ablation",
+    "read_manifest",
     "record_files",
     "replay",
     "replay_key",
@@ -114,4 +126,5 @@ __all__ = [
     "select_log_spaced",
     "shard_from_env",
     "training_order",
+    "write_manifest",
 ]

@@ -13,15 +13,18 @@
   cache before is never deleted. Workers sharing one cache on a host keep a small registry beside
   huggingface_hub's own locks (``CACHE/.locks/sinkwatch/``): the commits sinkwatch downloaded, and
   the commits and blobs each live worker still needs; a revision another worker needs is left to the
-  last one that uses it, and a blob shared with a revision being downloaded is kept.
+  last one that uses it, and a blob shared with a revision being downloaded is kept. A worker is
+  alive while it holds the ``flock`` on its own ``alive/TOKEN.alive`` (``liveness``: valid across PID
+  namespaces, never hostname + pid); the needs of dead workers are swept at every start and every
+  eviction, and the revisions only they needed are evicted then (a killed worker leaks nothing).
+  An eviction reads only the model's own ``models--ORG--NAME`` folder, never the whole cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import socket
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..loading import hub_offline
+from . import liveness
 from .hub import RemoteFile, remote_files
 from .retries import FetchError, RetryPolicy, _short, call_with_retries, is_transient  # noqa: F401 - re-exported
 from .revisions import Revision
@@ -64,10 +68,11 @@ def blob_name(f: RemoteFile) -> str | None:
 class CacheGuard:
     """What sinkwatch workers on one host record in a shared Hugging Face cache, under one file lock.
 
-    ``downloaded/COMMIT``: a sinkwatch replay downloaded that revision and evicts it once measured.
-    ``needs/COMMIT.WORKER.json``: a live worker still needs that revision (and its blobs)."""
+    ``downloaded/COMMIT``: a sinkwatch replay downloaded that revision (of the model the file names)
+    and evicts it once measured. ``needs/COMMIT.WORKER.TOKEN.json``: a live worker still needs that revision
+    (and its blobs); ``alive/TOKEN.alive``: that worker's liveness lock."""
 
-    def __init__(self, cache_dir: str | os.PathLike | None, worker_id: str):
+    def __init__(self, cache_dir: str | os.PathLike | None, worker_id: str, *, sweep: bool = True):
         from filelock import FileLock
         from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -75,9 +80,13 @@ class CacheGuard:
         self.root = self.cache / ".locks" / "sinkwatch"  # huggingface_hub's scan skips .locks
         (self.root / "needs").mkdir(parents=True, exist_ok=True)
         (self.root / "downloaded").mkdir(parents=True, exist_ok=True)
+        self.alive_dir = self.root / "alive"
+        self.me = liveness.hold(self.alive_dir)  # released by close(); dropped by the kernel if this process dies
         self.worker_id = worker_id
-        self.host = socket.gethostname()
         self.lock = FileLock(str(self.root / "lock"))
+        if sweep:
+            with self.lock:
+                self._live_needs()  # a start sweeps what dead workers left
 
     def repo_dir(self, model: str) -> Path:
         return self.cache / ("models--" + model.replace("/", "--"))
@@ -86,17 +95,22 @@ class CacheGuard:
         """Say this worker needs ``commit``; True when it was in the cache before sinkwatch fetched it
         (then it is never evicted)."""
         with self.lock:
-            self._need_path(commit).write_text(json.dumps({"host": self.host, "pid": os.getpid(), "model": model, "blobs": sorted(blobs)}))
+            need = {**self.me, "worker": self.worker_id, "model": model, "blobs": sorted(blobs)}
+            self._need_path(commit).write_text(json.dumps(need))
             snapshot = self.repo_dir(model) / "snapshots" / commit
             marker = self.root / "downloaded" / commit
             if not snapshot.exists() and will_evict:
-                marker.touch()
+                marker.write_text(json.dumps({"model": model}))
             return snapshot.exists() and not marker.exists()
 
-    def release(self, model: str, commit: str, *, evict: bool) -> int:
+    def release(self, model: str, commit: str, *, evict: bool, protect: set[str] = frozenset()) -> int:
         """This worker no longer needs ``commit``. With ``evict``, a revision sinkwatch downloaded and
         no other live worker needs leaves the cache; returns the bytes freed."""
         with self.lock:
+            try:
+                own = set(json.loads(self._need_path(commit).read_text()).get("blobs", []))
+            except (OSError, json.JSONDecodeError):
+                own = set()
             self._need_path(commit).unlink(missing_ok=True)
             marker = self.root / "downloaded" / commit
             if not evict or not marker.exists():
@@ -104,66 +118,85 @@ class CacheGuard:
             needs = self._live_needs()
             if any(c == commit for c, _ in needs):
                 return 0  # another worker on this host uses it now: the last one evicts it
-            keep = {b for _, blobs in needs for b in blobs}
-            freed = self._delete(model, commit, keep)
+            keep = {b for _, blobs in needs for b in blobs} | set(protect)
+            freed = self._delete(model, commit, keep, extra=own)  # own: blobs still downloading (no snapshot link yet)
             marker.unlink(missing_ok=True)
             return freed
 
+    def close(self) -> None:
+        liveness.release(self.alive_dir)
+
     def _need_path(self, commit: str) -> Path:
-        return self.root / "needs" / f"{commit}.{self.worker_id}.json"
+        return self.root / "needs" / f"{commit}.{self.worker_id}.{self.me['token']}.json"
 
     def _live_needs(self) -> list[tuple[str, set[str]]]:
-        """(commit, blobs) of every live worker's needs; those of dead processes on this host are dropped.
-        A need from another host (a cache on a shared filesystem) is kept: its liveness cannot be seen."""
-        out = []
+        """(commit, blobs) of every live worker's needs (under the lock). A dead worker's (its alive lock
+        free, on this boot) are dropped, and what it downloaded that no live worker needs is evicted.
+        A need from another host (a cache on a shared filesystem) is kept: its lock cannot be trusted."""
+        out, dead = [], []
         for p in (self.root / "needs").glob("*.json"):
             try:
                 need = json.loads(p.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if need.get("host") == self.host and not _alive(int(need.get("pid", -1))):
+            commit = p.name.split(".", 1)[0]
+            if liveness.is_alive(self.alive_dir, need) is False:
                 p.unlink(missing_ok=True)
+                dead.append((commit, need))
                 continue
-            out.append((p.name.split(".", 1)[0], set(need.get("blobs", []))))
+            out.append((commit, set(need.get("blobs", []))))
+        if dead:
+            live_commits = {c for c, _ in out}
+            keep = {b for _, blobs in out for b in blobs}
+            for commit, need in dead:
+                marker = self.root / "downloaded" / commit
+                if commit in live_commits or not marker.exists() or not need.get("model"):
+                    continue
+                self._delete(need["model"], commit, keep, extra=set(need.get("blobs", [])))
+                marker.unlink(missing_ok=True)
+            liveness.sweep(self.alive_dir)
         return out
 
-    def _delete(self, model: str, commit: str, keep: set[str]) -> int:
-        """Delete one revision with huggingface_hub's own strategy, never its whole repo folder (a
-        revision downloading there has no snapshot yet) and never a blob another need lists."""
-        from huggingface_hub import scan_cache_dir
-
-        info = scan_cache_dir(self.cache)
-        strategy = info.delete_revisions(commit)
-        repo_dir = self.repo_dir(model)
-        revision = next((r for repo in info.repos if repo.repo_path == repo_dir for r in repo.revisions if r.commit_hash == commit), None)
-        if revision is None:
-            return 0
-        if strategy.repos:  # the only revision of its repo: delete the revision, keep the folder
-            strategy = dataclasses.replace(
-                strategy,
-                repos=frozenset(),
-                snapshots=frozenset({revision.snapshot_path}),
-                refs=frozenset(repo_dir / "refs" / r for r in revision.refs),
-                blobs=frozenset(f.blob_path for f in revision.files if f.blob_path.parent == repo_dir / "blobs"),
-            )
-        blobs = frozenset(b for b in strategy.blobs if b.name not in keep)
-        strategy = dataclasses.replace(strategy, blobs=blobs)
-        freed = sum(b.stat().st_size for b in blobs if b.exists())
-        strategy.execute()
-        (repo_dir / "trees" / f"{commit}.json").unlink(missing_ok=True)  # snapshot_download's listing of that commit
+    def _delete(self, model: str, commit: str, keep: set[str], extra: set[str] = frozenset()) -> int:
+        """Delete one revision from the model's own folder: its snapshot, the refs naming it, and the blobs
+        it links (or, ``extra``, was downloading) that no other snapshot of the model links and no live
+        need lists. Never the repo folder itself (a revision downloading there has no snapshot yet)."""
+        repo = self.repo_dir(model)
+        snapshots = repo / "snapshots"
+        snapshot = snapshots / commit
+        mine = set(extra) | _linked_blobs(snapshot)
+        others: set[str] = set()
+        if snapshots.is_dir():
+            for other in snapshots.iterdir():
+                if other.name != commit:
+                    others |= _linked_blobs(other)
+        freed = 0
+        for name in sorted(mine - others - set(keep)):
+            partial = list((repo / "blobs").glob(f"{name}*.incomplete")) if (repo / "blobs").is_dir() else []
+            for blob in (repo / "blobs" / name, *partial):  # a download in flight: ETAG[.RANDOM].incomplete
+                try:
+                    freed += blob.stat().st_size
+                    blob.unlink()
+                except FileNotFoundError:
+                    pass
+        shutil.rmtree(snapshot, ignore_errors=True)
+        refs = repo / "refs"
+        if refs.is_dir():
+            for ref in [r for r in refs.rglob("*") if r.is_file()]:
+                try:
+                    if ref.read_text().strip() == commit:
+                        ref.unlink()
+                except OSError:
+                    pass
+        (repo / "trees" / f"{commit}.json").unlink(missing_ok=True)  # snapshot_download's listing of that commit
         return freed
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _linked_blobs(snapshot: Path) -> set[str]:
+    """The blob names a snapshot's links point at."""
+    if not snapshot.is_dir():
+        return set()
+    return {os.path.basename(os.readlink(p)) for p in snapshot.rglob("*") if p.is_symlink()}
 
 
 # ---- the fetcher -------------------------------------------------------------------------------------------------
@@ -171,8 +204,12 @@ class Fetcher:
     """Downloads revisions of one model by commit (one at a time in the background), retried, and
     evicts them once the loop is done with them."""
 
-    def __init__(self, model: str, *, cache_dir=None, config: FetchConfig | None = None, worker_id: str = "worker", progress: bool = False):
+    def __init__(
+        self, model: str, *, cache_dir=None, config: FetchConfig | None = None, worker_id: str = "worker", progress: bool = False,
+        protect: set[str] = frozenset(),
+    ):  # fmt: skip
         self.model = model
+        self.protect = set(protect)  # blobs an eviction never deletes (those other manifest entries list)
         self.cache_dir = cache_dir
         self.config = config or FetchConfig()
         self.progress = progress
@@ -196,7 +233,7 @@ class Fetcher:
         commit = self._held.pop(rev.name, None)
         if commit is None:
             return 0
-        return self.guard.release(self.model, commit, evict=not self.config.keep_cache)
+        return self.guard.release(self.model, commit, evict=not self.config.keep_cache, protect=self.protect)
 
     def close(self, *, wait: bool = True) -> None:
         """Release (evict) whatever this fetcher still holds, after the download in flight (``wait``) —
@@ -205,6 +242,7 @@ class Fetcher:
         self._pending.clear()
         for name in list(self._held):
             self.release(Revision(name))
+        self.guard.close()
 
     # ---- one download ----
     def _fetch(self, rev: Revision) -> Path:

@@ -55,3 +55,18 @@ def remote_files(model: str, revision: str) -> list[RemoteFile]:
     if _COMMIT.fullmatch(revision):
         _BY_COMMIT[key] = tuple(files)
     return files
+
+
+def remember_files(model: str, commit: str, files: list[RemoteFile]) -> None:
+    """Known files of ``model`` at ``commit`` (from the manifest): ``remote_files`` asks the hub nothing for it."""
+    from huggingface_hub import constants
+
+    _BY_COMMIT[(constants.ENDPOINT, model, commit)] = tuple(files)
+
+
+def remembered_files(model: str, commit: str) -> list[RemoteFile] | None:
+    """The files ``remote_files`` read for ``commit`` in this process, if it did."""
+    from huggingface_hub import constants
+
+    got = _BY_COMMIT.get((constants.ENDPOINT, model, commit))
+    return list(got) if got is not None else None

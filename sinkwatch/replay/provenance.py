@@ -16,11 +16,13 @@ the weights, the versions and the device — and the revisions whose weights are
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,19 +48,72 @@ class Weights:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+class HashCache:
+    """sha256 of local files keyed by (real path, size, mtime, inode): a checkpoint is read once, and
+    again only when any of those changes (rewritten in place, replaced, touched). Kept in a JSON file
+    (the store's ``hashes.json``), written whole by rename."""
+
+    def __init__(self, path: Path | None, write: bool = True):
+        self.path, self.write = path, write
+        self.table: dict[str, str] = {}
+        if path is not None:
+            try:
+                self.table = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.table = {}
+        self.dirty = False
+
+    @staticmethod
+    def key(p: Path) -> str:
+        st = p.stat()
+        return f"{os.path.realpath(p)}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ino}"
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty or not self.write:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.table))
+        os.replace(tmp, self.path)
+
+
+_HASHES: list[HashCache] = []
+
+
+@contextlib.contextmanager
+def hash_cache(path: str | os.PathLike | None, *, write: bool = True) -> Iterator[HashCache]:
+    """Inside, ``file_sha256`` reads a file's bytes only when its (path, size, mtime, inode) is new."""
+    cache = HashCache(Path(path) if path is not None else None, write=write)
+    _HASHES.append(cache)
+    try:
+        yield cache
+    finally:
+        _HASHES.remove(cache)
+        cache.save()
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """The content sha256 of a file; for a hub-cache snapshot link into ``blobs/<sha256>`` its target's
-    name (the hub's ETag of an LFS file is its content sha256), read without hashing gigabytes again."""
+    name (the hub's ETag of an LFS file is its content sha256), read without hashing gigabytes again;
+    inside ``hash_cache``, a file already hashed with the same (path, size, mtime, inode) is not read."""
     p = Path(path)
     if p.is_symlink():
         target = p.resolve().name
         if _SHA256.fullmatch(target) and p.resolve().parent.name == "blobs":
             return target
+    cache = _HASHES[-1] if _HASHES else None
+    key = cache.key(p) if cache is not None else None
+    if cache is not None and key in cache.table:
+        return cache.table[key]
     h = hashlib.sha256()
     with open(p, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if cache is not None:
+        cache.table[key] = digest
+        cache.dirty = True
+    return digest
 
 
 def weights_of_files(root: str | os.PathLike, paths: Iterable[str | os.PathLike] | None = None) -> Weights:

@@ -1,5 +1,8 @@
 """The replay loop (SPEC §8): revisions claimed in the store, fetched one ahead, probed, written, evicted.
 
+This is the claim mode, for plain processes (torchrun, ``srun -n``, hosts started by hand); engines
+(Slurm arrays, submitit, Ray) run the per-revision unit of ``unit`` instead, over the manifest's tasks.
+
 One worker, whatever launched it, runs ``replay``:
 
 1. the revisions to replay, in training order (``--shard K/N`` keeps every N-th: a static split);
@@ -37,14 +40,17 @@ from .ablation import ablation_key, check_ablation, read_ablation, run_ablation
 from .claims import ClaimConfig, Claims
 from .fetch import FetchConfig, Fetcher
 from .local import is_local
+from .manifest import MANIFEST_FILE, Manifest, local_source
+from .manifest import resolve as resolve_manifest
 from .plan import ModelShape, Placement, Plan, device_budgets, make_plan, place, revision_config
 from .progress import _counter, _status
 from .protocol import ProtocolLabel, resolve_protocol
 from .provenance import DuplicateGroup, provenance, warn_duplicates
 from .recipes import Recipe
-from .revisions import Revision, lineage
-from .source import RevisionSource, revision_source
-from .store import ReplayStore, done_key, replay_key, store_group
+from .revisions import Revision, check_hub, lineage
+from .signals import Terminated, exit_terminated, terminate_cleanly
+from .source import RevisionSource
+from .store import ReplayStore, done_key, key_of, record_done_key, replay_key, store_group, stored_records
 from .workers import Worker, detect_worker
 
 _WAIT = object()  # every remaining revision is held by another live worker
@@ -64,7 +70,8 @@ class _Setup:
     ablation: str | None
     source: RevisionSource  # where the revisions come from (a hub model or a local folder) and how a local one loads
     label: ProtocolLabel  # what the records say they measured (paper | sinkwatch | custom, and what changed)
-    flags: dict[str, DuplicateGroup]  # revisions whose weights are another's (provenance.find_duplicates)
+    flags: dict[str, DuplicateGroup]  # revisions whose weights are another's (provenance.find_duplicates, over the whole run)
+    manifest: Manifest | None = None
 
 
 def _setup(
@@ -83,7 +90,12 @@ def _setup(
     lightning_module=None,
     live_store=None,
     skip_duplicates=False,
+    out_dir=None,
+    manifest="reuse",
 ) -> _Setup:
+    """What to replay and how. ``manifest`` (``manifest.resolve``): ``reuse`` (a worker), ``refresh``
+    (the driver writing ``DIR/manifest.json``), ``require`` (the unit, finalize: read it, ask the hub
+    nothing), ``peek`` (the plan: write nothing)."""
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
     if is_local(recipe.model):  # one run, however its path is spelled (run/, ./run, /abs/run): one replay key, one store
         recipe = dataclasses.replace(recipe, model=str(Path(recipe.model).resolve()))
@@ -91,13 +103,32 @@ def _setup(
     names = [r.name if isinstance(r, Revision) else str(r) for r in names] if names is not None else None
     tps = tokens_per_step or recipe.tokens_per_step
     label = resolve_protocol(recipe, probes=probes, dtype=dtype, protocol=protocol or (monitor_config.protocol if monitor_config else None))
+    log_spaced = log_spaced or recipe.log_spaced
+    local = None
+    if is_local(recipe.model):  # a local run: its folder is its listing, each checkpoint hashed once (the store's hash cache)
+        local = local_source(
+            recipe, None if manifest == "require" else names, out_dir=out_dir, log_spaced=log_spaced, tokens_per_step=tps,
+            lightning_module=lightning_module, live_store=live_store, write=manifest != "peek",
+        )  # fmt: skip
+    elif lightning_module or live_store:
+        raise ValueError(
+            f"--lightning-module and --live-store are for a local folder of checkpoints; {recipe.model} is no path on this machine"
+        )
+    probe_list = list(probes) if probes is not None else ((local.live_probes() if local is not None else None) or recipe.probe_recipes())
+    # a live store's probe_dtype (the trainer's compute dtype the callback probed in), unless --dtype says otherwise
+    live = (getattr(local.local, "live_state", None) or {}) if local is not None and local.local is not None else {}
+    dtype = dtype or live.get("probe_dtype") or recipe.dtype
+    key = replay_key(recipe.model, dtype, label.label, probe_list)
+    if local is None and manifest != "require" and not (out_dir is not None and (Path(out_dir) / MANIFEST_FILE).is_file()):
+        check_hub(recipe.model)  # no manifest yet: an unreachable hub stops here, with the advice
     # each revision with the commit its name resolves to now (weights are fetched by it; its done key names
-    # those weights) and its weights' fingerprint from metadata; an unreachable hub stops here, with the advice
-    source = revision_source(
-        recipe, names, log_spaced=log_spaced or recipe.log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
-        lightning_module=lightning_module, live_store=live_store,
+    # those weights), its weights' fingerprint from metadata, and the duplicate groups of the whole run
+    m, source = resolve_manifest(
+        recipe, names, key=key, out_dir=out_dir, mode=manifest, log_spaced=log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
+        local_source=local,
     )  # fmt: skip
-    flags = source.duplicates()
+    whole = m.groups()
+    flags = {r.name: whole[r.name] for r in source.revisions if r.name in whole}
     warn_duplicates(recipe.model, flags)
     ordered = [r for r in source.revisions if not (skip_duplicates and r.name in flags)]  # --skip-duplicates: never downloaded
     if not ordered:
@@ -105,12 +136,9 @@ def _setup(
     k, n = shard or (0, 1)
     cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
     cfg = dataclasses.replace(cfg, protocol=label.computation)
-    probe_list = list(probes) if probes is not None else (source.live_probes() or recipe.probe_recipes())
-    # a live store's probe_dtype (the trainer's compute dtype the callback probed in), unless --dtype says otherwise
-    live = (getattr(source.local, "live_state", None) or {}) if source.local is not None else {}
-    dtype = dtype or live.get("probe_dtype") or recipe.dtype
-    key = replay_key(recipe.model, dtype, label.label, probe_list)
-    return _Setup(recipe, ordered, ordered[k::n], key, cfg, label.computation, probe_list, dtype, None, source, label, flags)
+    s = _Setup(recipe, ordered, ordered[k::n], key, cfg, label.computation, probe_list, dtype, None, source, label, flags)
+    s.manifest = m
+    return s
 
 
 # ---- the public entry points ------------------------------------------------------------------------------------
@@ -142,7 +170,8 @@ def replay(
 ) -> list[dict]:
     """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows
     this worker wrote (ok and failed). Run it in as many processes as you like, on any hosts sharing
-    ``out_dir``: each revision is measured once (see the module doc).
+    ``out_dir``: the claim mode (best effort: each revision is recorded once, and measured once unless a
+    claim is taken over from a worker that was only slow; under an engine use ``replay_revision``).
 
     Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``), and are
     replayed in training order. ``shard=(K, N)`` keeps every N-th from K (a static split). ``model``
@@ -182,6 +211,8 @@ def replay(
         lightning_module=lightning_module,
         live_store=live_store,
         skip_duplicates=skip_duplicates,
+        out_dir=out_dir,
+        manifest="reuse",
     )
     s.ablation = ablation_revision or s.recipe.ablation_revision
     if ablate is None:
@@ -203,29 +234,6 @@ def replay(
         max_memory=max_memory,
     )
     return loop.run()
-
-
-def replay_revision(model: str | Recipe, revision: str | Revision, *, out_dir: str | os.PathLike, **options) -> dict:
-    """Replay one revision into the store ``out_dir`` and return its record: the entry point for
-    mapping the work over revisions yourself (Ray tasks, submitit jobs, a process pool). Claims,
-    done-anywhere, retries and eviction are those of ``replay`` (every option of it is accepted);
-    the ablation is not run here — a final ``replay(model, out_dir=..., revisions=...)`` over all
-    revisions finds them done and runs it. A revision measured already returns its stored record; one
-    that failed returns the failed row (``status: failed``, ``error``)."""
-    options.setdefault("progress", False)
-    options["ablate"] = False
-    rows = replay(model, revisions=[revision], out_dir=out_dir, **options)
-    if rows:
-        return rows[0]
-    name = revision.name if isinstance(revision, Revision) else str(revision)
-    store = ReplayStore(out_dir)
-    found = [r for r in store.ok_records() if r.get("revision") == name]
-    if not found:
-        failed = [r for r in store.rows() if r.get("revision") == name]
-        if failed:
-            return failed[-1]
-        raise RuntimeError(f"{name} is neither done nor failed in {out_dir}: another worker may hold it")
-    return found[-1]
 
 
 def replay_plan(
@@ -271,10 +279,12 @@ def replay_plan(
         lightning_module=lightning_module,
         live_store=live_store,
         skip_duplicates=skip_duplicates,
+        out_dir=out_dir,
+        manifest="peek",
     )
     worker = detect_worker()
     # done as the loop decides it: by done key (a moved branch, a rewritten checkpoint: to do again)
-    stored = ReplayStore(out_dir, worker).done_keys(s.key) if Path(out_dir).is_dir() else set()
+    stored = {record_done_key(r) for r in stored_records(out_dir) if key_of(r) == s.key} if Path(out_dir).is_dir() else set()
     done = {r.name for r in s.mine if done_key(s.key, r.name, r.commit) in stored}
     if workers is None:
         workers, source = (
@@ -329,8 +339,9 @@ class _Job:
 
 class _Loop:
     def __init__(
-        self, s: _Setup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, claims: ClaimConfig | None, max_memory
-    ):
+        self, s: _Setup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, claims: ClaimConfig | None, max_memory,
+        protect: set[str] = frozenset(),
+    ):  # fmt: skip
         self.s = s
         self.out_dir = out_dir
         self.worker = detect_worker()
@@ -342,13 +353,15 @@ class _Loop:
                 stacklevel=3,
             )
         self.store = ReplayStore(out_dir, self.worker)
-        self.store.check(s.key)
+        self._check_store()
         self.device = _worker_device(device, self.worker)
         self.cache_dir = cache_dir
         self.fetch_config = fetch
         self.max_memory = max_memory
-        self.claims = Claims(out_dir, self.worker, claims)
-        self.fetcher = Fetcher(s.recipe.model, cache_dir=cache_dir, config=fetch, worker_id=self.worker.id, progress=progress)
+        self.claims = self._claims(out_dir, claims)
+        self.fetcher = Fetcher(
+            s.recipe.model, cache_dir=cache_dir, config=fetch, worker_id=self.worker.id, progress=progress, protect=protect
+        )
         self.pr_monitor = None
         cfg = s.cfg
         if s.protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in s.probes):
@@ -361,8 +374,22 @@ class _Loop:
         self._shapes: dict[str, ModelShape] = {}
         self._kept: tuple[Revision, Path] | None = None  # the ablation revision, on disk until the ablation ran
 
+    def _check_store(self) -> None:
+        self.store.check(self.s.key)
+
+    def _claims(self, out_dir, config: ClaimConfig | None):
+        return Claims(out_dir, self.worker, config)
+
     # ---- the loop ----
     def run(self) -> list[dict]:
+        with terminate_cleanly():
+            try:
+                return self._run()
+            except Terminated as exc:  # _run freed the claims and the cache; a download thread is not waited for
+                exit_terminated(exc)
+                raise
+
+    def _run(self) -> list[dict]:
         rows: list[dict] = []
         pause = 0.25  # waiting for others' claims: looks again after 0.25 s, 0.5 s, ... up to poll_s
         try:
@@ -398,18 +425,17 @@ class _Loop:
     def _claim_next(self, exclude: Sequence[str]):
         """Claim the first revision not done anywhere, not failed in this job and not held by another
         live worker. None: nothing left; _WAIT: what is left is held by others."""
-        done = self.store.done_keys(self.s.key)
         waiting = False
         for rev in self.s.mine:
             if rev.name in exclude:
                 continue
             item = done_key(self.s.key, rev.name, rev.commit)
-            if item in done or self.claims.failed_this_job(item):
+            if self.store.is_done(item) or self.claims.failed_this_job(item):
                 continue
             if not self.claims.try_claim(item, {"revision": rev.name, "commit": rev.commit}):
                 waiting = True
                 continue
-            if item in self.store.done_keys(self.s.key):  # another worker wrote it just before our claim
+            if self.store.is_done(item):  # another worker wrote it just before our claim
                 self.claims.release(item)
                 continue
             return rev
@@ -494,7 +520,7 @@ class _Loop:
                 stacklevel=2,
             )
             return None
-        self.store.append(row)  # only a complete record is ever written
+        self.store.write(row)  # only a complete record is ever written, and once per done key
         self.claims.release(job.item, failed=row["status"] == "failed")
         if self.reporter is not None and row["status"] == "ok":
             try:
@@ -621,8 +647,7 @@ class _Loop:
 
     def _progress(self) -> None:
         if self.bar is not None:
-            done = self.store.done_keys(self.s.key)
-            self.bar.n = sum(done_key(self.s.key, r.name, r.commit) in done for r in self.s.mine)
+            self.bar.n = sum(self.store.is_done(done_key(self.s.key, r.name, r.commit)) for r in self.s.mine)
             self.bar.refresh()
 
     # ---- the ablation, once ----
@@ -636,7 +661,7 @@ class _Loop:
         stored = read_ablation(self.out_dir)
         if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == key:
             return
-        if listed is not None and done_key(self.s.key, name, rev.commit) not in self.store.done_keys(self.s.key):
+        if listed is not None and not self.store.is_done(done_key(self.s.key, name, rev.commit)):
             # the ablation uses that revision's record: whoever writes it runs the ablation after its loop
             if any(r.get("revision") == name and r.get("status") == "failed" for r in self.store.rows()):
                 warnings.warn(

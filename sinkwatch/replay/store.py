@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..probes import ProbeSet
-from ..reporting.jsonl import append_jsonl, read_jsonl
+from ..reporting.jsonl import read_jsonl
 from ..stages import StageConfig, StageTracker
 from .revisions import lineage, runs_of, training_order
 from .workers import Worker, detect_worker
@@ -109,15 +109,19 @@ class StoreMismatchError(ValueError):
     """A store holds records made another way than the replay asked for."""
 
 
+RECORDS_DIR = "records"
+
+
 class ReplayStore:
     """One replay store (a directory), as one worker sees it.
 
-    Every worker appends to its own file, ``DIR/records.WORKER.jsonl`` (appends from several hosts to
-    one file are not atomic on NFS), and reads every ``records*.jsonl`` of the directory — files set
-    aside as ``*.superseded*`` excepted — so a revision done by any worker, in any earlier run, with
-    any launcher or worker count, is done (``done_keys``). A record is appended only when complete;
-    a line torn by a crash is skipped when reading, so that revision is simply done again. Reading
-    is incremental: each file is read from where the last look stopped.
+    Each measured revision is one file, ``DIR/records/KEY.json`` (KEY: its ``done_key``), written whole
+    to a temp file and published by hard link, which fails when the name exists: a torn record or two
+    records for one key cannot exist, and "done" is a name lookup (O(1) whatever the store's size). A
+    failed attempt is ``DIR/records/KEY.failed.json`` (replaced by each new failure); it never counts as
+    done, and the success that follows removes it. Stores written before (``records*.jsonl``, one file
+    per worker, files set aside as ``*.superseded*`` excepted) still read: their records are done too,
+    and every reader (``merged_records``, the report) reads both.
 
     A revision is done only when its record was made with the same replay key (model, dtype,
     protocol, probes) and commit. A store holding records made another way is refused with an error
@@ -128,15 +132,33 @@ class ReplayStore:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.worker = worker or detect_worker()
-        self.path = self.dir / f"records.{self.worker.id}.jsonl"
+        self.path = self.dir / RECORDS_DIR  # where this worker's records go
+        self.path.mkdir(exist_ok=True)
         self._offsets: dict[Path, int] = {}
-        self._rows: list[dict] = []
+        self._legacy: list[dict] = []
+        self._files: dict[str, tuple[int, list[dict]]] = {}  # record file name -> (mtime_ns, its rows)
+        self._legacy_done: set[str] | None = None
+        self.is_done("")  # a legacy store's done keys, read once now: every lookup after is one stat
 
     def rows(self) -> list[dict]:
-        """Every complete row of every records file of the store (ok and failed), read up to now."""
-        for path in record_files(self.dir):
-            self._rows.extend(_read_new_lines(path, self._offsets))
-        return self._rows
+        """Every complete row of the store (ok and failed): the record files, then the legacy jsonl files, read up to now."""
+        for path in _legacy_files(self.dir):
+            self._legacy.extend(_read_new_lines(path, self._offsets))
+        seen = set()
+        for entry in os.scandir(self.path) if self.path.is_dir() else ():
+            if not entry.name.endswith(".json") or entry.name.startswith("."):
+                continue
+            seen.add(entry.name)
+            try:
+                mtime = entry.stat().st_mtime_ns
+            except FileNotFoundError:
+                continue
+            cached = self._files.get(entry.name)
+            if cached is None or cached[0] != mtime:
+                self._files[entry.name] = (mtime, _read_new_lines(Path(entry.path), {}))
+        for name in set(self._files) - seen:
+            del self._files[name]  # a failed attempt a success replaced
+        return [*self._legacy, *(r for _, rows in self._files.values() for r in rows)]
 
     def ok_records(self, key: dict | None = None) -> list[dict]:
         """Successful records (made with ``key``, when given), in the order they were written (``write_order``)."""
@@ -150,6 +172,30 @@ class ReplayStore:
         """Revision names with a successful record anywhere in the store (made with ``key``, when given)."""
         return {r["revision"] for r in self.ok_records(key) if r.get("revision") is not None}
 
+    def record_path(self, done: str, *, failed: bool = False) -> Path:
+        return self.path / (f"{done}.failed.json" if failed else f"{done}.json")
+
+    def is_done(self, done: str) -> bool:
+        """Whether the done key ``done`` has a successful record: one name lookup (a legacy jsonl store: read once)."""
+        if self.record_path(done).exists():
+            return True
+        if self._legacy_done is None:
+            offsets: dict[Path, int] = {}
+            rows = write_order(r for p in _legacy_files(self.dir) for r in _read_new_lines(p, offsets))
+            self._legacy_ok = {record_done_key(r): r for r in rows if _is_ok_record(r)}  # the latest written of each key
+            self._legacy_done = set(self._legacy_ok)
+        return done in self._legacy_done
+
+    def read(self, done: str) -> dict | None:
+        """The successful record of done key ``done``, else its failed row, else None."""
+        rows = _read_new_lines(self.record_path(done), {})
+        if rows:
+            return rows[-1]
+        if self.is_done(done):  # a legacy store's record
+            return self._legacy_ok[done]
+        rows = _read_new_lines(self.record_path(done, failed=True), {})
+        return rows[-1] if rows else None
+
     def check(self, key: dict) -> None:
         """Refuse (StoreMismatchError) when any successful record of the store was made with another replay key."""
         for r in self.ok_records():
@@ -158,12 +204,39 @@ class ReplayStore:
                 raise StoreMismatchError(
                     f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
                     "Its numbers would be reported as this replay's: replay into another --out, "
-                    "or move its records*.jsonl away to redo them"
+                    "or move its records/ and records*.jsonl away to redo them"
                 )
 
-    def append(self, row: dict) -> None:
-        row.setdefault("written_at", time.time())  # orders records of one revision across workers' files (write_order)
-        append_jsonl(self.path, row)
+    def write(self, row: dict) -> bool:
+        """Publish ``row`` as its done key's file. A success is written once (False: that key has its
+        record already — another worker measured it too — and it is kept) and removes the failed row; a
+        failure replaces the previous failure and never a success. Written whole or not at all."""
+        row.setdefault("written_at", time.time())  # orders records of one revision across workers (write_order)
+        done = record_done_key(row)
+        ok = row.get("status", "ok") == "ok"
+        final = self.record_path(done)
+        if not ok and final.exists():
+            return False
+        tmp = self.path / f".{done}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            tmp.write_text(json.dumps(row, allow_nan=False) + "\n")
+            if ok:
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    return False
+                except OSError:  # no hard links (some FUSE mounts): exclusive create
+                    fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(tmp.read_text())
+                self.record_path(done, failed=True).unlink(missing_ok=True)
+            else:
+                os.replace(tmp, self.record_path(done, failed=True))
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+
+    append = write
 
 
 def write_order(rows) -> list[dict]:
@@ -182,7 +255,22 @@ def stored_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def record_files(store_dir: str | os.PathLike) -> list[Path]:
-    """The store's records files: ``records*.jsonl``, except files set aside as ``*.superseded*``."""
+    """The store's record files: one per done key (``records/KEY.json``, ``records/KEY.failed.json``) in the order
+    they were written, then the legacy ``records*.jsonl`` (except files set aside as ``*.superseded*``). Each is JSON
+    lines (a record file: one line)."""
+    d = Path(store_dir) / RECORDS_DIR
+    own = [p for p in d.glob("*.json") if not p.name.startswith(".")] if d.is_dir() else []
+    return [*sorted(own, key=_written), *_legacy_files(store_dir)]  # in the order they were written, as one file's lines were
+
+
+def _written(p: Path) -> tuple[int, str]:
+    try:
+        return p.stat().st_mtime_ns, p.name
+    except FileNotFoundError:  # a failed row a success replaced meanwhile
+        return 0, p.name
+
+
+def _legacy_files(store_dir: str | os.PathLike) -> list[Path]:
     return [p for p in sorted(Path(store_dir).glob("records*.jsonl")) if ".superseded" not in p.name]
 
 

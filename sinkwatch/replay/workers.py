@@ -37,8 +37,8 @@ class Worker:
 
     @property
     def id(self) -> str:
-        """Unique among the processes writing one store at a time (host and pid), and readable:
-        ``srun-1of3.node7.4242``. Names the worker's records file and W&B run."""
+        """Readable: ``srun-1of3.node7.4242``; names the worker's W&B run and its claims. Whether a worker is
+        alive is never judged from it (two PID namespaces can share a hostname and a pid): ``liveness``."""
         of = f"{self.index}of{self.count}" if self.count is not None else f"{self.index}"
         tag = "" if self.launcher == "single" else f"{self.launcher}-{of}."
         return _safe(f"{tag}{self.host}.{self.pid}")
