@@ -39,7 +39,7 @@ def missing(reason: str):
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # not session: it points this process's huggingface_hub at the stand-in hub while it lives
 def engine_hub(tmp_path_factory):
     """Four revisions of a tiny Llama; step300 serves step200's weights (a wrong branch: one task of two names)."""
     d = tmp_path_factory.mktemp("engine_revisions")
@@ -242,7 +242,7 @@ def _fast():
 
 
 # ---- Ray --------------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(engine_hub):
     try:
         import ray
