@@ -314,13 +314,24 @@ def circuit_layer(
 
 
 # ---- scoring, ablation, recall -----------------------------------------------------------------------------
-def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """Mean cross-entropy, top-1 and top-5 accuracy of ``targets`` (N,) under ``logits`` (N, V)."""
+def target_scores_per_sequence(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
+    """Per sequence (cross-entropy, top-1 hit, top-5 hit) of ``targets`` (N,) under ``logits`` (N, V): (N, 3) float64."""
     logits = logits.float()
-    loss = torch.nn.functional.cross_entropy(logits, targets, reduction="mean")
+    loss = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
     topk = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
     hit = topk == targets[:, None]
-    return {"loss": float(loss), "top1": float(hit[:, 0].float().mean()), "top5": float(hit.any(-1).float().mean())}
+    return torch.stack([loss.double(), hit[:, 0].double(), hit.any(-1).double()], dim=-1).numpy()
+
+
+def mean_target_scores(per_sequence: np.ndarray) -> dict[str, float]:
+    """Mean cross-entropy, top-1 and top-5 accuracy over the rows of ``target_scores_per_sequence``."""
+    loss, top1, top5 = np.asarray(per_sequence, dtype=np.float64).mean(axis=0)
+    return {"loss": float(loss), "top1": float(top1), "top5": float(top5)}
+
+
+def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Mean cross-entropy, top-1 and top-5 accuracy of ``targets`` (N,) under ``logits`` (N, V)."""
+    return mean_target_scores(target_scores_per_sequence(logits, targets))
 
 
 def matched_random_heads(

@@ -21,6 +21,7 @@ from .capture import ProbeTarget, resolve_target, untouched
 from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
+from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
 from .snapshot import Snapshot
@@ -106,6 +107,7 @@ class Monitor:
         revision: str | None = None,
         model_name: str | None = None,
         track: bool = True,
+        share: ProbeShare | None = None,
     ) -> Snapshot:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
@@ -113,6 +115,10 @@ class Monitor:
         DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's
         StageTracker consumes the record (``p0_stage``, ``induction_state``, declared events in
         ``snapshot.events``).
+
+        ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe_share``):
+        every rank of the share must call ``probe`` together; each runs its sequences, one all-reduce
+        combines what they kept, and every rank returns the Snapshot one process would have.
         """
         target = resolve_target(model)
         sets = self.probe_sets(target.vocab_size)
@@ -123,19 +129,36 @@ class Monitor:
                     f"use a shorter probe (--seq-len <= {target.context})"
                 )
         t0 = time.perf_counter()
-        values: dict = {}
-        n_heads = None
         # Sink keys come from the natural probe when there is one (SPEC §10): natural text is what the
         # model trains on, so its sinks are the ones training forms; the synthetic induction probe
         # has no BOS and random tokens, and stands in only when no natural text is configured.
         sink_source = "natural" if any(s.kind == "natural" for s in sets) else "induction"
+        plan = [(s, s.kind == sink_source) for s in sets]
+        natural = next((s for s in sets if s.kind == "natural"), None)
+        twin = _bos_free_twin(natural) if natural is not None else None
+        if twin is not None:
+            plan.append((twin, True))
         with untouched(target.module):
-            for s in sets:
-                out, n_heads = self._run(target, s, with_sinks=s.kind == sink_source)
-                values.update(out)
-                if s.kind == "natural":
-                    values["bos_token_id"] = s.params.get("bos_token_id")  # the BOS every window starts with, or None (SPEC §3)
-                    values.update(self._p0_anchor(target, s, out))
+            forwarded = [self._forward(target, s, with_sinks=w, share=share) for s, w in plan]
+        states = self._combine(forwarded, share)
+        values: dict = {}
+        outs = []
+        n_heads = None
+        for (runs, softmax, *_), state in zip(forwarded, states):
+            out: dict = {"softmax_layers": softmax}
+            for run, st in zip(runs, state):
+                got, heads = run.values(st, softmax)
+                out.update(got)
+                n_heads = heads if heads is not None else n_heads
+            outs.append(out)
+        for out in outs[: len(sets)]:  # the twin's values go only where ``_p0_anchor`` puts them
+            values.update(out)
+        if natural is not None:
+            values["bos_token_id"] = natural.params.get("bos_token_id")  # the BOS every window starts with, or None (SPEC §3)
+            fed = outs[sets.index(natural)]
+            values.update(self._p0_anchor(natural, fed, outs[-1] if twin is not None else None))
+        if share is not None:
+            values["probe_split"] = {"ranks": share.size, "sequences": {s.kind: s.n for s in sets}}
         values["probe_seconds"] = time.perf_counter() - t0
         values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (SPEC §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
@@ -161,7 +184,7 @@ class Monitor:
         snap.values.update({k: record[k] for k in keys})
         return snap
 
-    def _p0_anchor(self, target: ProbeTarget, natural: ProbeSet, fed: dict) -> dict:
+    def _p0_anchor(self, natural: ProbeSet, fed: dict, twin: dict | None) -> dict:
         """The circuit keys and ``p0_anchor`` when every natural window starts with the same token (a BOS).
 
         Direction consistency compares h_l[0] across sequences whose first tokens differ; with one
@@ -169,70 +192,88 @@ class Monitor:
         circuit. Two questions are then asked (SPEC §6, docs/stages.md):
 
         - a positional circuit? The BOS-free twin — the same windows without their first token
-          (SPEC §3) — is judged by the positional rule; if it has a circuit layer, ``p0_anchor`` is
-          ``position`` and the twin gives ``p0_norm_ratio``, ``p0_direction_consistency`` and
-          ``circuit_layer`` (``circuit_source: natural_bos_free_twin``);
+          (SPEC §3; ``twin``: its values) — is judged by the positional rule; if it has a circuit
+          layer, ``p0_anchor`` is ``position`` and the twin gives ``p0_norm_ratio``,
+          ``p0_direction_consistency`` and ``circuit_layer`` (``circuit_source: natural_bos_free_twin``);
         - else an amplified BOS? The BOS's own norm ratio, held for two blocks at
           ``bos_min_norm_ratio`` (no direction test: c is undefined), gives ``circuit_layer`` and
           ``p0_anchor: bos`` (``circuit_source: natural``).
 
         Either way the record keeps the BOS's numbers (``p0_norm_ratio_bos``, ``circuit_layer_bos``)
         and the twin's (``circuit_layer_twin``); sink keys stay those of the windows as fed."""
-        first = natural.tokens[:, 0]
-        if natural.n < 2 or not bool((first == first[0]).all()):
+        if twin is None:
             return {}  # the windows themselves decide (``_p0_values`` set p0_anchor)
         st = self.config.stages
         bos_rho = np.asarray(fed["p0_norm_ratio"], dtype=float)
         bos_layer = metrics.circuit_layer(bos_rho, None, st.bos_min_norm_ratio)
-        twin = ProbeSet("natural", natural.tokens[:, 1:].clone(), {}, {**natural.params, "bos_free_twin": True})
-        out, _ = self._run(target, twin, with_sinks=True)
-        if not bool((twin.tokens[:, 0] != twin.tokens[0, 0]).any()):
+        if not bool((natural.tokens[:, 1] != natural.tokens[0, 1]).any()):
             warnings.warn(
                 "sinkwatch: every natural window starts with the same two tokens; whether a positional P0 circuit exists "
                 "is undecidable: use natural windows from varied text",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        both = {"p0_norm_ratio_bos": bos_rho, "circuit_layer_bos": bos_layer, "circuit_layer_twin": out["circuit_layer"]}
+        both = {"p0_norm_ratio_bos": bos_rho, "circuit_layer_bos": bos_layer, "circuit_layer_twin": twin["circuit_layer"]}
         keys = ("p0_norm_ratio", "p0_direction_consistency", "circuit_layer")
-        if out["circuit_layer"] is None and bos_layer is not None:
+        if twin["circuit_layer"] is None and bos_layer is not None:
             return {**both, "circuit_layer": bos_layer, "p0_anchor": "bos", "circuit_source": "natural"}
-        anchor = "position" if out["circuit_layer"] is not None else None
-        return {**both, **{k: out[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
+        anchor = "position" if twin["circuit_layer"] is not None else None
+        return {**both, **{k: twin[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
+
+    def _micro(self, probe: ProbeSet) -> int:
+        return max(1, self.config.batch_tokens // probe.seq_len)
 
     def _batches(self, probe: ProbeSet) -> Iterable[slice]:
-        size = max(1, self.config.batch_tokens // probe.seq_len)
-        for b0 in range(0, probe.n, size):
-            yield slice(b0, min(probe.n, b0 + size))
+        for batch, _ in micro_batches(probe.n, self._micro(probe), None):
+            yield batch
 
-    def _run(self, target: ProbeTarget, probe: ProbeSet, *, with_sinks: bool) -> tuple[dict, int]:
-        """One probe set through the model; returns record values and n_heads.
+    def _forward(self, target: ProbeTarget, probe: ProbeSet, *, with_sinks: bool, share: ProbeShare | None):
+        """One probe set through the model: this rank's sequences (all of them without ``share``),
+        then the padding forwards that give every rank of the share the same count. Returns (the
+        runs, the blocks that ran softmax attention, the runs' padding template or None).
 
-        The sink/P0 parts ride on the one probe set ``Monitor.probe`` chose for them; the kind's own parts and
-        values come from ``PROBE_RUNS`` (one entry per probe kind, no branching here)."""
+        The sink/P0 parts ride on the one probe set ``Monitor.probe`` chose for them; the kind's own
+        parts and values come from ``PROBE_RUNS`` (one entry per probe kind, no branching here)."""
         L = target.n_layers
         device = target.device
-        runs: list[_ProbeRun] = [_SinkRun(probe, L, self.config)] if with_sinks else []
-        runs.append(PROBE_RUNS[probe.kind](probe, L, self.config))
+
+        def make_runs() -> list[_ProbeRun]:
+            runs: list[_ProbeRun] = [_SinkRun(probe, L, self.config)] if with_sinks else []
+            return runs + [PROBE_RUNS[probe.kind](probe, L, self.config)]
+
+        runs, padding = make_runs(), None
         token_losses = any(run.token_losses for run in runs)
-        collector = ProbeCollector([part for run in runs for part in run.parts])
+        own_parts, spare_parts = [part for run in runs for part in run.parts], []
+        collector = ProbeCollector(own_parts)
         with target.capture(collector) as forward:
-            for batch in self._batches(probe):
-                collector.batch = batch
+            for batch, real in micro_batches(probe.n, self._micro(probe), share):
+                if not real and padding is None:  # throw-away runs: a rank with no sequence of its own still learns the layout
+                    padding = make_runs()
+                    spare_parts = [part for run in padding for part in run.parts]
+                collector.parts, collector.batch = (own_parts if real else spare_parts), batch
                 ids = probe.tokens[batch].to(device)
                 out = forward(ids, token_losses=token_losses)  # last-position logits (+ every position's loss)
-                for run in runs:
-                    run.observe(ids, out)
-        n_heads = None
+                for run in runs if real else padding:
+                    run.observe(batch, ids, out)
+            collector.parts = own_parts
         # blocks that ran softmax attention; the others (Mamba, linear attention) are NaN rows in
         # every attention-derived array, and counts and fractions are over these blocks' heads only
-        softmax = collector.softmax_layers
-        values: dict = {"softmax_layers": softmax}
-        for run in runs:
-            out, heads = run.values(softmax)
-            values.update(out)
-            n_heads = heads if heads is not None else n_heads
-        return values, n_heads
+        return runs, collector.softmax_layers, padding
+
+    def _combine(self, forwarded: list, share: ProbeShare | None) -> list[list[State]]:
+        """Each run's state over the whole probe: as kept (one process), or every rank's share
+        combined by one all-reduce (``probe_share.combine``)."""
+        if share is None:
+            return [[run.state() for run in runs] for runs, *_ in forwarded]
+        flat, shape = [], []
+        for runs, _, padding in forwarded:
+            n = runs[0].probe.n
+            start, stop = share.bounds(n)
+            source = runs if stop > start else padding
+            flat.extend((run.state(), run.SUMS, n, (start, stop), stop > start) for run in source)
+            shape.append(len(source))
+        combined = iter(combine(flat, share))
+        return [[next(combined) for _ in range(k)] for k in shape]
 
     # ---- group ablation ----
     def ablate(
@@ -309,20 +350,27 @@ class Monitor:
 
 # ---- one entry per probe kind: the parts it adds to the capture and the values it computes --------
 class _ProbeRun:
-    """One probe set's share of ``Monitor._run``: ``parts`` ride the captured forward, ``observe``
-    sees each micro-batch's ids and ``ProbeForward`` (last-position logits, per-token losses when
-    asked), ``values`` returns (record values, n_heads or None)."""
+    """One probe set's share of ``Monitor.probe``: ``parts`` ride the captured forward, ``observe``
+    sees each micro-batch's sequences, ids and ``ProbeForward`` (last-position logits, per-token
+    losses when asked), ``state`` is what the run kept (``probe_share.State``: arrays per sequence,
+    and the sums named in ``SUMS``), and ``values`` turns the whole probe's state into (record
+    values, n_heads or None). Nothing between ``state`` and ``values`` may depend on which rank
+    computed which sequence: under a ``ProbeShare`` the states of every rank are combined first."""
 
     token_losses = False  # whether the forward must return every position's next-token loss
+    SUMS: tuple[str, ...] = ()
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         self.probe, self.config = probe, config
         self.parts: list = []
 
-    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
+    def observe(self, batch: slice, ids: torch.Tensor, out: ProbeForward) -> None:
         pass
 
-    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
+    def state(self) -> State:
+        return {}
+
+    def values(self, state: State, softmax_layers: list[int]) -> tuple[dict, int | None]:
         """``softmax_layers``: the blocks that ran softmax attention (all of them but in hybrid stacks)."""
         return {}, None
 
@@ -337,26 +385,36 @@ class _SinkRun(_ProbeRun):
         self.sink, self.p0, self.gate = SinkPart(n_layers, config.n_first, config.backend), P0Part(n_layers), GatePart(n_layers)
         self.parts = [self.sink, self.p0, self.gate]
 
-    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
-        alpha = self.sink.result()  # (N, L, H, K), NaN in blocks without softmax attention
+    def state(self) -> State:
         ratio, vectors = self.p0.result()
+        return {
+            "alpha": self.sink.result(),  # (n, L, H, K), NaN in blocks without softmax attention
+            "learned": self.sink.learned_result(),  # (n, L, H): layers with learned sink logits, or None
+            "gates": self.gate.result(),  # (n, L, H): gated attention, or None
+            "ratio": ratio,  # (n, L)
+            "vectors": vectors,  # (n, L, d)
+        }
+
+    def values(self, state: State, softmax_layers: list[int]) -> tuple[dict, int | None]:
+        alpha = state["alpha"]
         values = {
             **_sink_values(alpha, self.config, softmax_layers),
-            **_p0_values(ratio, vectors, self.probe.tokens[:, 0].numpy(), self.config),
+            **_p0_values(state["ratio"], state["vectors"], self.probe.tokens[:, 0].numpy(), self.config),
         }
-        learned = self.sink.learned_result()  # (N, L, H): layers with learned sink logits
+        learned = state["learned"]
         if learned is not None:
             values["sink_learned_alpha"] = learned.mean(axis=0)
             with_sink = ~np.isnan(learned).all(axis=(0, 2))
             values["sink_learned_rate"] = float((np.nan_to_num(learned[:, with_sink], nan=-np.inf) > self.config.sink_epsilon).mean())
-        gates = self.gate.result()  # (N, L, H): gated attention
-        if gates is not None:
-            values["attn_gate_mean"] = gates.mean(axis=0)
+        if state["gates"] is not None:
+            values["attn_gate_mean"] = state["gates"].mean(axis=0)
         return values, alpha.shape[2]
 
 
 class _InductionRun(_ProbeRun):
     """Selectivity at the query row, head classes, PR, and the target's loss / top-k (SPEC §5)."""
+
+    SUMS = ("gram", "total", "count")  # PR's sufficient statistics: per-head Gram matrices M^T M, column sums, rows
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
@@ -366,14 +424,25 @@ class _InductionRun(_ProbeRun):
         limit = PAPER_PR_SEQUENCES if paper else None
         self.heads = HeadOutputPart(n_layers, probe.fields["query_row"], limit=limit) if config.participation_ratio else None
         self.parts = [self.rowcols] + ([self.heads] if self.heads is not None else [])
-        self.last_logits: list[torch.Tensor] = []
+        self.target: list[np.ndarray] = []
 
-    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
-        self.last_logits.append(out.logits[:, -1].float().cpu())
+    def observe(self, batch: slice, ids: torch.Tensor, out: ProbeForward) -> None:
+        # per sequence (loss, top-1, top-5) of the target B at the query row: (b, 3), never the (b, V) logits
+        targets = torch.as_tensor(self.probe.fields["token_b"][batch])
+        self.target.append(metrics.target_scores_per_sequence(out.logits[:, -1].float().cpu(), targets))
 
-    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
+    def state(self) -> State:
+        gathered, entropy = self.rowcols.result()
+        # (n, L, H, 1, G), (n, L, H, 1), (n, 3)
+        st: State = {"gathered": gathered, "entropy": entropy, "target": np.concatenate(self.target)}
+        if self.heads is not None:
+            gram, total = self.heads.grams()  # (L, H, D, D), (L, H, D): NaN in blocks without softmax attention
+            st.update(gram=gram, total=total, count=np.asarray(self.heads.count))
+        return st
+
+    def values(self, state: State, softmax_layers: list[int]) -> tuple[dict, int | None]:
         probe, cfg = self.probe, self.config
-        gathered, entropy = self.rowcols.result()  # (N, L, H, 1, G), (N, L, H, 1)
+        gathered, entropy = state["gathered"], state["entropy"]
         valid = probe.fields["valid"].astype(bool)
         scores = metrics.selectivity(gathered[:, :, :, 0], self.layout, valid)
         best = metrics.best_class(scores, softmax_layers=softmax_layers)
@@ -381,16 +450,14 @@ class _InductionRun(_ProbeRun):
         values = {"selectivity": scores, "best_class": best}
         values.update({k: v for k, v in screen.items() if k != "sink_heads"})
         values["attention_entropy"] = entropy[:, :, :, 0].mean(axis=0)
-        targets = torch.as_tensor(probe.fields["token_b"])
-        logits = torch.cat(self.last_logits)
-        values["induction_target"] = metrics.target_scores(logits[valid], targets[valid]) if valid.any() else None
+        values["induction_target"] = metrics.mean_target_scores(state["target"][valid]) if valid.any() else None
         values["induction_valid_sequences"] = int(valid.sum())
         if self.heads is not None:
-            gram, total = self.heads.grams()  # (L, H, D, D), (L, H, D): NaN in blocks without softmax attention
-            values["pr"] = metrics.participation_ratio(gram)
-            values["pr_sequences"] = self.heads.count  # PR is bounded by min(N, d_head): N is part of the number
+            count = int(state["count"])
+            values["pr"] = metrics.participation_ratio(state["gram"])
+            values["pr_sequences"] = count  # PR is bounded by min(N, d_head): N is part of the number
             if cfg.classical_pr:
-                values["pr_classical"] = metrics.participation_ratio_classical(gram, total, self.heads.count)
+                values["pr_classical"] = metrics.participation_ratio_classical(state["gram"], state["total"], count)
         return values, gathered.shape[2]
 
 
@@ -409,16 +476,20 @@ class _RepeatedRun(_ProbeRun):
         self.copy_first: list[np.ndarray] = []
         self.copy_second: list[np.ndarray] = []
 
-    def observe(self, ids: torch.Tensor, out: ProbeForward) -> None:
+    def observe(self, batch: slice, ids: torch.Tensor, out: ProbeForward) -> None:
         a, b = metrics.copy_losses(out.token_losses, self.probe.params["half_len"])  # (B, S-1) -> per-copy means
         self.copy_first.append(a.cpu().numpy())
         self.copy_second.append(b.cpu().numpy())
 
-    def values(self, softmax_layers: list[int]) -> tuple[dict, int | None]:
-        gathered, _ = self.rowcols.result()  # (N, L, H, L_rep, 1)
+    def state(self) -> State:
+        gathered, _ = self.rowcols.result()  # (n, L, H, L_rep, 1)
+        return {"gathered": gathered, "first": np.concatenate(self.copy_first), "second": np.concatenate(self.copy_second)}
+
+    def values(self, state: State, softmax_layers: list[int]) -> tuple[dict, int | None]:
+        gathered = state["gathered"]
         values = {
             "induction_score": metrics.induction_score(gathered[..., 0].mean(axis=-1)),
-            "icl_score": metrics.icl_score(np.concatenate(self.copy_first), np.concatenate(self.copy_second)),
+            "icl_score": metrics.icl_score(state["first"], state["second"]),
         }
         return values, gathered.shape[2]
 
@@ -428,6 +499,15 @@ class _NaturalRun(_ProbeRun):
 
 
 PROBE_RUNS: dict[str, type[_ProbeRun]] = {"induction": _InductionRun, "repeated": _RepeatedRun, "natural": _NaturalRun}
+
+
+def _bos_free_twin(natural: ProbeSet) -> ProbeSet | None:
+    """The natural windows without their first token (SPEC §3) when every window starts with the
+    same one (a BOS: ``Monitor._p0_anchor`` then judges the positional circuit on the twin), else None."""
+    first = natural.tokens[:, 0]
+    if natural.n < 2 or not bool((first == first[0]).all()):
+        return None
+    return ProbeSet("natural", natural.tokens[:, 1:].clone(), {}, {**natural.params, "bos_free_twin": True})
 
 
 def _sink_values(alpha: np.ndarray, config: MonitorConfig, softmax_layers: list[int]) -> dict:
