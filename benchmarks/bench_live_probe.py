@@ -1,12 +1,12 @@
 """Live probe cost per data-parallel rank, and in bf16 vs float32 (issue 25, SPEC §9), side by side in one run.
 
-Part 1: W = 1, 2 and 4 gloo processes (torchrun), a 4-block Llama (d = 128) sharded with FSDP2 per
-block, so every rank runs the probe (the layout where the probe's cost is paid W times). Each rank
+Part 1: W = 1, 2 and 4 gloo processes (torchrun), a 4-block Llama (d = 128), in two layouts: FSDP2
+per block (every probe forward a collective) and DDP's (the bare module on every rank). Each rank
 reports its probe wall time (median of ``--repeat`` probes), and its share of the work: probe
-forwards, tokens through the model, CPU seconds. The goal (issue 25 item 10) is per-rank work
-≈ 1/W of the single process's; the ratio printed says where the code stands (1.0: every rank runs
-the whole probe). Wall time is reported for W = 1 and 2 only: W = 4 processes on a small CPU share
-its cores, so only their work is comparable.
+forwards, tokens through the model, CPU seconds. The goal (SPEC §9) is per-rank work ≈ 1/W of the
+single process's: each rank runs its share of the sequences (``sinkwatch.probe_share``); the
+ratio printed says where the code stands. Wall time is reported for W = 1 and 2 only: W = 4
+processes on a small CPU share its cores, so only their work is comparable.
 
 Part 2: one process, the same probe in float32 and under bf16 autocast (``compute_dtype``, what a
 ``bf16-mixed`` run now gets), median of ``--repeat``.
@@ -88,7 +88,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def worker(out: str, repeat: int) -> None:
+def worker(out: str, repeat: int, layout: str) -> None:
     """One torchrun rank of part 1."""
     import torch
     import torch.distributed as dist
@@ -97,16 +97,16 @@ def worker(out: str, repeat: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     model = _model()
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 1 and layout == "fsdp2":
         for block in model.model.layers:
             fully_shard(block)
         fully_shard(model)
-    row = {"W": dist.get_world_size(), "rank": dist.get_rank(), **_measure(model, repeat, out_dir=tempfile.mkdtemp())}
-    Path(out, f"w{row['W']}-rank{row['rank']}.json").write_text(json.dumps(row))
+    row = {"layout": layout, "W": dist.get_world_size(), "rank": dist.get_rank(), **_measure(model, repeat, out_dir=tempfile.mkdtemp())}
+    Path(out, f"{layout}-w{row['W']}-rank{row['rank']}.json").write_text(json.dumps(row))
     dist.destroy_process_group()
 
 
-def _launch(w: int, out: str, repeat: int) -> None:
+def _launch(w: int, out: str, repeat: int, layout: str) -> None:
     import os
     import socket
 
@@ -115,26 +115,30 @@ def _launch(w: int, out: str, repeat: int) -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(w), "--master_port", str(port), str(Path(__file__))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    subprocess.run([*cmd, "--worker", out, "--repeat", str(repeat)], check=True, timeout=900, env=env)
+    subprocess.run([*cmd, "--worker", out, "--repeat", str(repeat), "--layout", layout], check=True, timeout=900, env=env)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--csv", default=str(HERE / "results" / "live_probe.csv"))
+    p.add_argument("--layouts", default="fsdp2,ddp", help="comma-separated: fsdp2, ddp")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="fsdp2", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.repeat)
+        worker(args.worker, args.repeat, args.layout)
         return
     import torch
 
     out = tempfile.mkdtemp()
-    for w in (1, 2, 4):
-        _launch(w, out, args.repeat)
-    rows = [json.loads(f.read_text()) for f in sorted(Path(out).glob("w*-rank*.json"))]
-    base = next(r for r in rows if r["W"] == 1)
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    for layout in layouts:
+        for w in (1, 2, 4):
+            _launch(w, out, args.repeat, layout)
+    rows = [json.loads(f.read_text()) for f in sorted(Path(out).glob("*-w*-rank*.json"))]
     for r in rows:
+        base = next(b for b in rows if b["W"] == 1 and b["layout"] == r["layout"])
         r["part"] = "per-rank"
         r["work_ratio_tokens"] = r["tokens"] / base["tokens"]
         r["work_ratio_cpu"] = r["cpu_s"] / base["cpu_s"]
@@ -147,12 +151,13 @@ def main() -> None:
         dtypes[name] = _measure(_model(), args.repeat, compute_dtype=dtype, out_dir=tempfile.mkdtemp())
         rows.append({"part": "dtype", "W": 1, "rank": 0, "dtype": name, **dtypes[name]})
     path = write_csv([{k: r.get(k) for k in sorted({k for row in rows for k in row})} for r in rows], args.csv)
-    print("per-rank probe work (W gloo processes, FSDP2, every rank probes):")
+    print("per-rank probe work (W gloo processes; each rank probes its share of the sequences):")
     for r in rows:
         if r["part"] == "per-rank":
             wall = f"{r['wall_s']:.3f} s" if r["wall_s"] is not None else "  (n/a)"
             print(
-                f"  W={r['W']} rank {r['rank']}: wall {wall}  forwards {r['forwards']}  tokens {r['tokens']}  cpu {r['cpu_s']:.3f} s  "
+                f"  {r['layout']:5s} W={r['W']} rank {r['rank']}: wall {wall}  forwards {r['forwards']}  tokens {r['tokens']}  "
+                f"cpu {r['cpu_s']:.3f} s  "
                 f"tokens ratio {r['work_ratio_tokens']:.2f} (goal {r['goal']:.2f})  cpu ratio {r['work_ratio_cpu']:.2f}"
             )
     ratio = dtypes["bfloat16"]["wall_s"] / dtypes["float32"]["wall_s"]

@@ -1,10 +1,14 @@
 """Which rank probes, which layouts are refused, and what the ranks that probe together agree on (SPEC §7).
 
-Who probes. DDP: only global rank 0, on the bare module (the DDP wrapper would wait for the other
-ranks and hang). FSDP (v1): every rank together, inside ``summon_full_params(recurse=False)`` on
-each outermost unit: that gathers the parameters no inner unit owns, and each inner unit gathers its
-own in its forward, as in training. FSDP2 / HSDP (``fully_shard``): every rank together; each sharded
-module all-gathers its own parameters in its forward. Only global rank 0 reports.
+Who probes. By default (``LiveConfig(split_probe=True)``) every data-parallel rank runs its share of
+each probe's sequences and one all-reduce combines the shares (``sinkwatch.probe_share``, SPEC §9);
+only global rank 0 reports. DDP: each rank probes the bare module (the DDP wrapper would wait for
+the other ranks' backward and hang). FSDP (v1): every rank together, inside
+``summon_full_params(recurse=False)`` on each outermost unit: that gathers the parameters no inner
+unit owns, and each inner unit gathers its own in its forward, as in training. FSDP2 / HSDP
+(``fully_shard``): every rank together; each sharded module all-gathers its own parameters in its
+forward. With ``split_probe=False``: DDP's rank 0 probes alone while the others go on to wait at the
+next training collective, and sharded ranks each run the whole probe.
 
 Refused at setup (``check_layout``), with what to do instead: tensor parallelism (a rank holds only
 some heads: a probe on rank 0 alone would hang in the row-parallel all-reduce, one on every rank
@@ -15,7 +19,7 @@ What the ranks that probe together agree on (``ProbeGroup``): the natural probe'
 0's, broadcast when they are frozen, so every rank runs the same forwards: the BOS-free twin
 included), and before, during and after each probe one all-reduced verdict (same code and same
 ``config_hash`` on every rank, or no rank goes on): before (each rank's inputs and a memory check),
-before each probe forward, and after (before anything is written). A fault in sinkwatch's own
+before each probe forward, before the shares are combined, and after (before anything is written). A fault in sinkwatch's own
 statistics during a forward is held until that forward ends (the forward and its collectives run to
 the end on every rank); a fault in the model's own layers during a forward cannot be undone (the
 other ranks wait inside that forward's collectives): that rank raises ``ProbeForwardBroken`` and the
@@ -36,7 +40,7 @@ from .capture import ProbeTarget, UnsupportedModelError
 FullParams = Callable[[], contextlib.AbstractContextManager]
 
 # The codes of one agreement: every rank must send the same one (FAIL never agrees).
-FAIL, DONE, FORWARD, START = 0, 1, 2, 3
+FAIL, DONE, FORWARD, START, COMBINE = 0, 1, 2, 3, 4
 
 # Test-only fault injection: ``SINKWATCH_TEST_FAULT=POINT@RANK`` (or ``POINT@RANK@STEP``; several,
 # comma-separated) raises ``InjectedFault`` on that global rank at that point of a probe, so the tests
@@ -55,20 +59,33 @@ class RankFacts:
     is_global_zero: bool
     world_size: int
     sharding: str | None  # "fsdp" (v1), "fsdp2", or None (single device, DDP)
+    split: bool = False  # every data-parallel rank probes its share of the sequences (``sinkwatch.probe_share``)
 
     @property
     def probes_here(self) -> bool:
-        """Rank 0 always probes; with sharded parameters every rank must join the collective forward."""
-        return self.is_global_zero or self.sharding is not None
+        """Rank 0 always probes; with sharded parameters every rank must join the collective forward;
+        with the probe split over the ranks every rank runs its share."""
+        return self.is_global_zero or self.sharding is not None or self.split
+
+    @property
+    def together(self) -> bool:
+        """Whether every rank of the default group runs each probe (sharded parameters or a split probe)."""
+        return self.sharding is not None or self.split
 
     @property
     def reports_here(self) -> bool:
         return self.is_global_zero
 
 
-def rank_facts(module, *, is_global_zero: bool, world_size: int = 1) -> RankFacts:
-    """The facts for this rank; ``module`` is the model as the strategy wraps it (FSDP shards show there)."""
-    return RankFacts(is_global_zero=bool(is_global_zero), world_size=max(1, int(world_size)), sharding=_fsdp_kind(module)[0])
+def rank_facts(module, *, is_global_zero: bool, world_size: int = 1, split: bool = False) -> RankFacts:
+    """The facts for this rank; ``module`` is the model as the strategy wraps it (FSDP shards show there).
+    ``split``: share each probe's sequences over the ranks, when there are several in an initialised group."""
+    import torch.distributed as dist
+
+    world = max(1, int(world_size))
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    split = bool(split and grouped and world > 1)
+    return RankFacts(is_global_zero=bool(is_global_zero), world_size=world, sharding=_fsdp_kind(module)[0], split=split)
 
 
 # ---- layouts refused ---------------------------------------------------------------------------
@@ -331,6 +348,9 @@ class ProbeGroup:
         self.device = torch.device("cpu")
         self.fault_timeout_s = FAULT_TIMEOUT_S  # how long a rank that faulted in a forward waits for the others' verdicts
         self._stretches = 0  # collective stretches entered (the same count on every rank while they run in step)
+        # whether a probe forward is itself a collective (sharded parameters: its all-gathers); under a
+        # split DDP probe it is not, and a fault in it is an ordinary failed verdict, as in one process
+        self.forwards_collective = True
         self._id = 0
         if size > 1:
             import torch.distributed as dist
@@ -346,8 +366,10 @@ class ProbeGroup:
         ``prefer``: the model's device; the agreements use it when the group carries its tensors."""
         import torch.distributed as dist
 
-        if facts.sharding is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return cls(dist.get_world_size(), prefer=prefer)
+        if facts.together and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = cls(dist.get_world_size(), prefer=prefer)
+            group.forwards_collective = facts.sharding is not None
+            return group
         return cls(1)
 
     @property
@@ -383,6 +405,33 @@ class ProbeGroup:
         dist.all_gather_object(out, item)
         return out
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group's ranks, in place (sent on the group's device)."""
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        sent = tensor.to(self.device)
+        dist.all_reduce(sent, op=dist.ReduceOp.SUM)
+        if sent is not tensor:
+            tensor.copy_(sent.to(tensor.device))
+
+    def share(self, step: int | None, token: int):
+        """This rank's ``ProbeShare`` (None when alone): its all-reduce runs only on every rank's go
+        (an agreement first: a rank that failed before it sends FAIL there instead, and no rank is
+        left inside a sum the others never join)."""
+        if self.size == 1:
+            return None
+        from .probe_share import ProbeShare
+
+        def combine(tensor: torch.Tensor) -> None:
+            if not self.agree(COMBINE, token):
+                raise PeerFailed("another rank stopped this probe")
+            with self.collective(step, "combining the ranks' shares of the probe"):
+                self.all_reduce_sum(tensor)
+
+        return ProbeShare(rank=self.rank, size=self.size, all_reduce=combine)
+
     def broadcast_windows(self, windows: torch.Tensor | None) -> torch.Tensor | None:
         """Rank 0's (m, T) natural windows (or its None) on every rank of the group."""
         if self.size == 1:
@@ -403,9 +452,11 @@ class ProbeGroup:
         return target if self.size == 1 else _GuardedTarget(target, self, step, token)
 
     @contextlib.contextmanager
-    def collective(self, step: int, what: str) -> Iterator[None]:
+    def collective(self, step: int, what: str, *, paired: bool = True) -> Iterator[None]:
         """A stretch every rank runs in step (a forward, a parameter gather): a fault escaping it on
         one rank leaves the others inside its collectives, so it becomes ``ProbeForwardBroken``.
+        ``paired`` False: the stretch issues no collective (a split probe's forward under DDP), and a
+        fault in it passes as is (the next agreement says FAIL for it).
         ``UnsupportedModelError``/``ValueError``/``TypeError`` (sinkwatch's checks of the model and the
         probe batch) pass: they come from inputs every rank shares, so every rank raises them alike."""
         self._stretches += 1
@@ -415,7 +466,7 @@ class ProbeGroup:
         except (UnsupportedModelError, ValueError, TypeError, PeerFailed, ProbeForwardBroken, ProbeFaultEverywhere):
             raise
         except Exception as exc:
-            if self.size == 1:
+            if self.size == 1 or not paired:
                 raise
             verdict = self._fault_verdict(stretch, exc)
             if verdict is None:
@@ -548,7 +599,7 @@ class _GuardedTarget(ProbeTarget):
                 def agreed_forward(input_ids: torch.Tensor, **kw):
                     if not self.group.agree(FORWARD, self.token):
                         raise PeerFailed("another rank stopped this probe")
-                    with self.group.collective(self.step, "a probe forward"):
+                    with self.group.collective(self.step, "a probe forward", paired=self.group.forwards_collective):
                         out = forward(input_ids, **kw)
                     if held.fault is not None:
                         raise held.fault

@@ -64,6 +64,8 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
         preflight: one sequence of each probe set just before the first probe; a deterministic error there
             disables sinkwatch for the run with one error line (default True).
+        split_probe: under data parallelism every rank probes its share of the sequences, one all-reduce
+            combines them (default True; False: DDP's rank 0 probes alone, sharded ranks each run the whole probe).
         fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
             waits for the others' verdict before it stops the run (default 60).
         on_event: your hook, called with each event dict (default None).

@@ -9,11 +9,12 @@ before the checkpoint saved at it (Lightning runs ``ModelCheckpoint`` last in ea
 in the batch-end, epoch-end or validation-end hook, all before ``on_train_end``), so a resume from
 ``last.ckpt`` neither loses nor repeats it. Log-spaced steps span Lightning's estimate of the run
 (``trainer.estimated_stepping_batches``: ``max_steps``, or ``max_epochs`` x batches per epoch). Strategies: single device,
-DDP (global rank 0 probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
+DDP (every rank probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
 FSDP v1 (every rank probes together; the parameters no inner unit owns are gathered through the
-strategy's root wrapper). Tensor parallelism and DeepSpeed ZeRO-3 are refused at fit start. Only
-global rank 0 reports (docs/live.md, "Distributed training").
+strategy's root wrapper); each rank runs its share of the probe's sequences (``sinkwatch.probe_share``).
+Tensor parallelism and DeepSpeed ZeRO-3 are refused at fit start. Only global rank 0 reports
+(docs/live.md, "Distributed training").
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class SinkWatchCallback(Callback):
         raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
         preflight: one sequence of each probe set just before the first probe; a deterministic error there
             disables sinkwatch for the run with one error line (default True).
+        split_probe: under data parallelism every rank probes its share of the sequences, one all-reduce
+            combines them (default True; False: DDP's rank 0 probes alone, sharded ranks each run the whole probe).
         fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
             waits for the others' verdict before it stops the run (default 60).
         on_event: your hook, called with each event dict (default None).

@@ -73,6 +73,9 @@ class LiveConfig:
     console: bool = True
     raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
     preflight: bool = True  # before the first probe, one sequence of each set: a deterministic error there disables sinkwatch
+    # data parallelism: every rank probes its share of the sequences, one all-reduce combines them (SPEC §9);
+    # False: DDP's rank 0 probes alone, sharded ranks each run the whole probe
+    split_probe: bool = True
     fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict
     on_event: Callable[[dict], None] | None = None  # user hook, called with each event dict
     reporters: Sequence[Reporter] = ()  # extra reporters
@@ -88,6 +91,8 @@ class LiveConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.split_probe, bool):
+            raise TypeError(f"split_probe must be True or False, got {self.split_probe!r}")
         if isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float)) or not self.fault_timeout_s > 0:
             raise ValueError(f"fault_timeout_s must be a positive number of seconds, got {self.fault_timeout_s!r}")
         if self.wandb not in WANDB_MODES:
@@ -302,7 +307,7 @@ class LiveMonitor:
         self._compute_dtype = probe_compute_dtype(self.target.module, compute_dtype)
         if self._in_root is not None and compute_dtype is None:
             self._compute_dtype = (fsdp1_param_dtype(outer), False)  # the units cast their own parameters: no autocast
-        self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size)
+        self.rank = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size, split=self.config.split_probe)
         self.group = ProbeGroup.for_rank(self.rank, prefer=self.target.device)
         self.group.fault_timeout_s = float(self.config.fault_timeout_s)
         self.world_size = self.rank.world_size
@@ -348,7 +353,7 @@ class LiveMonitor:
             with group.collective(None, "the pre-flight probe"), self._gathered() as run:
                 try:
                     with self._autocast():
-                        run(lambda: one.probe(group.guard(self.target, None, token), track=False))
+                        run(lambda: one.probe(group.guard(self.target, None, token), track=False, share=group.share(None, token)))
                 except ProbeForwardBroken:
                     raise
                 except Exception as exc:  # noqa: BLE001
@@ -567,7 +572,11 @@ class LiveMonitor:
             with group.collective(step, "gathering the full parameters"), self._gathered() as run:  # FSDP v1: a collective
                 try:
                     with self._autocast():
-                        snap = run(lambda: self.monitor.probe(group.guard(self.target, step, token), step=step, tokens=tokens))
+                        snap = run(
+                            lambda: self.monitor.probe(
+                                group.guard(self.target, step, token), step=step, tokens=tokens, share=group.share(step, token)
+                            )
+                        )
                     fault_point("after", step)
                 except ProbeForwardBroken:
                     raise  # the other ranks wait inside a forward: never go on to training's collectives out of step

@@ -20,9 +20,9 @@ Scalars go through ``trainer.record_metric`` under ``sinkwatch/`` (OLMo-core's W
 callbacks log them with the trainer's step; the step-0 probe is logged at step 1, the first step
 OLMo-core logs). Stage events go to the W&B run of OLMo-core's ``WandBCallback`` when it is enabled
 (alerts and summary; its scalars already arrive through ``record_metric``) and to the webhook of
-its ``SlackNotifierCallback`` when one is configured. Under FSDP2/HSDP every rank probes together
-(each block's shards all-gather in the probe forward, which every rank must run); otherwise rank 0
-probes alone; only rank 0 reports.
+its ``SlackNotifierCallback`` when one is configured. Every data-parallel rank probes its share of
+the sequences (``sinkwatch.probe_share``; under FSDP2/HSDP each block's shards all-gather in the
+probe forward, which every rank must run alike); only rank 0 reports.
 """
 
 from __future__ import annotations

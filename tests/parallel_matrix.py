@@ -200,7 +200,7 @@ def _lightning_module(model, *, tp: bool = False, fsdp2: bool = False):
     return LitCausalLM()
 
 
-def _fit_lightning(cell: Path, lit, strategy, *, tp: int = 1) -> tuple:
+def _fit_lightning(cell: Path, lit, strategy, *, tp: int = 1, precision: str = "32-true") -> tuple:
     """Fit on this rank's rows; ``tp`` ranks in a row form one tensor-parallel group, which reads one
     batch (the rows of its data-parallel index)."""
     import lightning.pytorch as pl
@@ -216,6 +216,7 @@ def _fit_lightning(cell: Path, lit, strategy, *, tp: int = 1) -> tuple:
     cb = SinkWatchCallback(**options(cell))
     trainer = pl.Trainer(
         accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[FirstBatch(), cb],
+        precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(cell),
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(rows(_rank() // tp), batch_size=BATCH, collate_fn=collate)
@@ -229,6 +230,13 @@ def _fit_lightning(cell: Path, lit, strategy, *, tp: int = 1) -> tuple:
 def lightning_ddp(cell: Path) -> None:
     lit = _lightning_module(tiny_gpt2())
     _fit_lightning(cell, lit, "ddp")
+    save_final(cell, lit.model.state_dict())
+
+
+def lightning_ddp_bf16(cell: Path) -> None:
+    """DDP with ``precision="bf16-mixed"`` (CPU autocast in bf16): every rank probes its share in bf16."""
+    lit = _lightning_module(tiny_gpt2())
+    _fit_lightning(cell, lit, "ddp", precision="bf16-mixed")
     save_final(cell, lit.model.state_dict())
 
 
@@ -271,7 +279,7 @@ def lightning_fsdp2_tp(cell: Path) -> None:
 
 
 # ---- HF Trainer -----------------------------------------------------------------------------------
-def _train_hf(cell: Path, model) -> tuple:
+def _train_hf(cell: Path, model, **arguments) -> tuple:
     from transformers import Trainer, TrainingArguments
 
     from sinkwatch.hf import SinkWatchTrainerCallback
@@ -287,7 +295,7 @@ def _train_hf(cell: Path, model) -> tuple:
     args = TrainingArguments(
         output_dir=str(cell / "trainer"), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-3,
         use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, remove_unused_columns=False,
+        dataloader_num_workers=0, remove_unused_columns=False, **arguments,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=rows(_rank()), data_collator=collate, callbacks=[cb])
     try:
@@ -301,6 +309,13 @@ def _train_hf(cell: Path, model) -> tuple:
 def hf_ddp(cell: Path) -> None:
     model = tiny_gpt2()
     _train_hf(cell, model)
+    save_final(cell, model.state_dict())
+
+
+def hf_ddp_bf16(cell: Path) -> None:
+    """DDP with ``TrainingArguments(bf16=True)`` (accelerate's CPU autocast in bf16)."""
+    model = tiny_gpt2()
+    _train_hf(cell, model, bf16=True)
     save_final(cell, model.state_dict())
 
 
@@ -669,7 +684,8 @@ def assert_records_equal(got: dict, want: dict, *, rtol: float = RTOL, atol: flo
 CELLS = {
     f.__name__: f
     for f in (
-        lightning_ddp, lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
+        lightning_ddp, lightning_ddp_bf16, hf_ddp_bf16,
+        lightning_fsdp2, lightning_tp_mesh, lightning_tp, lightning_fsdp2_tp, hf_ddp, hf_tp_plan, fsdp1_orig_params,
         fsdp1_flat_params, faults_held, inputs_differ, fault_in_model_forward, olmo_fsdp2, olmo_ddp, olmo_hsdp, olmo_refusals,
         log_spaced_schedule, fsdp1_bf16_params, identical_faults, olmo_fsdp2_bf16,
     )

@@ -56,7 +56,7 @@ def test_hf_json_options_are_the_scalar_fields():
     assert _JSON_OPTIONS == (
         "every_n_steps", "log_spaced", "probe_at_start", "probe_at_end", "out_dir", "tokens_per_step", "natural", "natural_n",
         "natural_seq_len", "wandb", "wandb_project", "heatmap_every", "console", "raise_on_error",
-        "preflight", "fault_timeout_s",
+        "preflight", "split_probe", "fault_timeout_s",
     )  # fmt: skip
 
 

@@ -6,9 +6,13 @@ every stack, each launch under a timeout, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` whe
 so mismatched collectives fail) and never partial heads. The cells run in tests/parallel_matrix.py:
 three torchrun launches, started together and each running several cells.
 
+Every data-parallel cell splits the probe (``LiveConfig(split_probe=True)``, the default): each rank
+runs its share of the sequences and one all-reduce combines them, so "equals a single-process run"
+checks the split too (tests/test_probe_split.py checks it at W = 3, with uneven shares and bf16).
+
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps the process group in a checker that torch 2.13's
-DistributedDataParallel crashes on (a segfault in its constructor on CPU), so the DDP cells, where
-only rank 0 probes and the probe issues no collective, run in their own launch without it.
+DistributedDataParallel crashes on (a segfault in its constructor on CPU), so the DDP cells run in
+their own launch without it.
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end i
                           "inputs_differ", "faults_held", "olmo_fsdp2", "olmo_refusals", "log_spaced_schedule", "fsdp1_bf16_params",
                           "identical_faults", "olmo_fsdp2_bf16",
                           "fault_in_model_forward"]),
-    "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp"]),
+    "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp", "lightning_ddp_bf16", "hf_ddp_bf16"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
 }  # fmt: skip
 WHERE = {cell: name for name, (_, _, cells) in LAUNCHES.items() for cell in cells}
 SHARDED = {"lightning_fsdp2", "fsdp1_orig_params", "fsdp1_flat_params", "olmo_fsdp2", "olmo_hsdp", "faults_held"}  # every rank probes
+SPLIT = SHARDED | {"lightning_ddp", "hf_ddp", "olmo_ddp"}  # every data-parallel rank probes its share of the sequences
 EQUAL = ["lightning_ddp", "lightning_fsdp2", "lightning_tp_mesh", "hf_ddp", "fsdp1_orig_params", "fsdp1_flat_params", "olmo_fsdp2",
          "olmo_ddp", "olmo_hsdp"]  # fmt: skip
 REFUSED_TP = ["lightning_tp", "lightning_fsdp2_tp", "hf_tp_plan"]
@@ -131,7 +136,11 @@ def test_cell_equals_a_single_process_run_on_rank0s_windows(matrix, cell, tmp_pa
     nproc = LAUNCHES[WHERE[cell]][0]
     windows = own_windows(d, 0, context)
     assert torch.equal(torch.load(d / "natural-rank0.pt"), windows)  # rank 0 froze its own first batch's windows
-    if cell in SHARDED:  # every rank probes: every rank took rank 0's windows, though its own batch differs
+    if cell in SPLIT:  # every rank probes its share of the sequences, combined by one all-reduce
+        assert all(r["probe_split"]["ranks"] == nproc for r in records), [r.get("probe_split") for r in records]
+    else:  # a tensor-parallel mesh of whole models: one data-parallel rank, rank 0 probes alone
+        assert not any("probe_split" in r for r in records)
+    if cell in SPLIT:  # every rank took rank 0's windows, though its own batch differs
         for r in range(1, nproc):
             assert torch.equal(torch.load(d / f"natural-rank{r}.pt"), windows), r
         others = [own_windows(d, r, context) for r in range(1, nproc)]
@@ -353,4 +362,20 @@ def test_olmo_core_fsdp2_bf16_autocast_probes_in_bf16(matrix, tmp_path):
     assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
     assert {r["probe_dtype"] for r in records} == {"bfloat16"}
     want = pm.single_process_record(final_model("olmo_fsdp2_bf16", d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
+    pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cell", ["lightning_ddp_bf16", "hf_ddp_bf16"])
+def test_ddp_bf16_mixed_probes_each_ranks_share_in_bf16(matrix, cell, tmp_path):
+    """Lightning ``precision="bf16-mixed"`` and the HF Trainer's ``bf16=True`` under DDP (CPU autocast):
+    records in bf16 (``probe_dtype``), split over both ranks, equal within bf16 tolerance to one
+    process probing the final weights under bf16 autocast."""
+    d = cell_dir(matrix, cell)
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    assert {r["probe_split"]["ranks"] for r in records} == {2}
+    want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
     pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)
