@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchtitan.trainer import Trainer
@@ -37,11 +37,13 @@ from .live import LiveConfig, LiveMonitor
 from .reporting.base import Reporter
 
 TESTED_TORCHTITAN = "0.3.0"
+__all__ = ["TESTED_TORCHTITAN", "MetricsLoggerReporter", "SinkWatchOptions", "SinkWatchTrainer", "sinkwatch_config"]
 
 
 @dataclass(kw_only=True, slots=True)
 class SinkWatchOptions:
-    """The live options a torchtitan config carries (scalars: they come from the command line too)."""
+    """The live options a torchtitan config carries (scalars: they come from the command line too, as
+    ``--sinkwatch.every_n_steps 100``; checked when the config is parsed, not after the Trainer is built)."""
 
     every_n_steps: int | None = 250
     log_spaced: int | None = None
@@ -49,9 +51,12 @@ class SinkWatchOptions:
     probe_at_end: bool = True
     out_dir: str = "./sinkwatch"
     natural: bool = True
-    wandb: str = "auto"
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     console: bool = True
     raise_on_error: bool = False
+
+    def __post_init__(self) -> None:
+        self.live_config()  # a ValueError/TypeError naming the option, at parse time
 
     def live_config(self) -> LiveConfig:
         return LiveConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -140,8 +145,61 @@ class SinkWatchTrainer(Trainer):
 
 def sinkwatch_config(stock: Trainer.Config, **options: Any) -> SinkWatchTrainer.Config:
     """A stock ``Trainer.Config`` (e.g. ``llama3_debugmodel()``) as a ``SinkWatchTrainer.Config``."""
-    fields = {f.name: getattr(stock, f.name) for f in dataclasses.fields(stock)}
+    if type(stock) not in (Trainer.Config, SinkWatchTrainer.Config):
+        raise TypeError(
+            f"sinkwatch_config wraps torchtitan's stock Trainer.Config; got {type(stock).__qualname__}, another trainer's config "
+            "(its own trainer class would be replaced by SinkWatchTrainer): subclass that trainer with SinkWatchTrainer's "
+            "three overrides instead, or start from a stock config"
+        )
+    fields = {f.name: getattr(stock, f.name) for f in dataclasses.fields(stock) if f.name != "sinkwatch"}
     return SinkWatchTrainer.Config(**fields, sinkwatch=SinkWatchOptions(**options))
+
+
+# ---- ``--module sinkwatch.torchtitan``: torchtitan's ConfigManager imports this module (there is no
+# ``sinkwatch.torchtitan.config_registry``) and calls ``getattr(module, <--config>)()``. Every llama3 and
+# qwen3 config function of torchtitan's own registries is offered here under its own name, wrapped.
+CONFIG_FAMILIES = ("llama3", "qwen3")
+
+
+def _stock_registry(family: str):
+    import importlib
+
+    return importlib.import_module(f"torchtitan.models.{family}.config_registry")
+
+
+def _stock_config_names(family: str) -> list[str]:
+    registry = _stock_registry(family)
+    return sorted(
+        n for n, f in vars(registry).items()
+        if n.startswith(f"{family}_") and callable(f) and getattr(f, "__module__", None) == registry.__name__
+    )  # fmt: skip
+
+
+def __getattr__(name: str):
+    family = name.split("_", 1)[0]
+    if name.startswith("_") or family not in CONFIG_FAMILIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    stock = getattr(_stock_registry(family), name, None)
+    if stock is None or not callable(stock):
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r}: torchtitan.models.{family}.config_registry has no config function "
+            f"{name!r} (it has {_stock_config_names(family)})"
+        )
+
+    def config() -> SinkWatchTrainer.Config:
+        return sinkwatch_config(stock())
+
+    config.__name__ = config.__qualname__ = name
+    config.__doc__ = f"torchtitan's ``{family}.config_registry.{name}()`` with SinkWatchTrainer (``--sinkwatch.*`` options)."
+    return config
+
+
+def __dir__() -> list[str]:  # what ConfigManager lists when --config names no function here
+    names = set(__all__)
+    for family in CONFIG_FAMILIES:
+        with contextlib.suppress(ImportError):
+            names.update(_stock_config_names(family))
+    return sorted(names)
 
 
 @contextlib.contextmanager

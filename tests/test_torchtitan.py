@@ -297,3 +297,45 @@ def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_p
         with pytest.raises(ValueError, match="parallelism"):
             SinkWatchTrainer.sinkwatch_setup(trainer)
         setattr(trainer.parallel_dims, f"{kind}_enabled", False)
+
+
+def test_module_flag_through_torchtitans_config_manager(monkeypatch, capsys, tmp_path):
+    """``--module sinkwatch.torchtitan --config <a llama3/qwen3 config of torchtitan's>``, parsed by torchtitan's own
+    ConfigManager (what ``python -m torchtitan.train`` runs): the stock config as a SinkWatchTrainer.Config, whose
+    ``build()`` (train.py's next call) constructs a SinkWatchTrainer, with every sinkwatch option settable."""
+    _without_datasets(monkeypatch)
+    import dataclasses
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sinkwatch.torchtitan import SinkWatchOptions, SinkWatchTrainer
+
+    def parse(*args: str):
+        return ConfigManager().parse_args(["--module", "sinkwatch.torchtitan", *args])
+
+    config = parse(
+        "--config", "llama3_debugmodel", "--training.steps", "5", "--sinkwatch.every_n_steps", "7", "--sinkwatch.log_spaced", "20",
+        "--sinkwatch.no-probe-at-start", "--sinkwatch.no-probe-at-end", "--sinkwatch.out_dir", str(tmp_path), "--sinkwatch.no-natural",
+        "--sinkwatch.wandb", "offline", "--sinkwatch.no-console", "--sinkwatch.raise-on-error",
+    )  # fmt: skip
+    assert type(config) is SinkWatchTrainer.Config and type(config)._owner is SinkWatchTrainer
+    assert type(dataclasses.replace(config)) is SinkWatchTrainer.Config  # build() = _owner(config=replace(self))
+    assert config.sinkwatch == SinkWatchOptions(
+        every_n_steps=7, log_spaced=20, probe_at_start=False, probe_at_end=False, out_dir=str(tmp_path), natural=False, wandb="offline",
+        console=False, raise_on_error=True,
+    )  # fmt: skip
+    stock = llama3_debugmodel()
+    assert config.training.steps == 5 and config.model_spec.name == "llama3" and config.model_spec.flavor == stock.model_spec.flavor
+    assert type(config.loss) is type(stock.loss) and config.optimizer == stock.optimizer and config.parallelism == stock.parallelism
+
+    qwen = parse("--config", "qwen3_debugmodel")
+    assert type(qwen) is SinkWatchTrainer.Config and qwen.model_spec.name == "qwen3" and qwen.sinkwatch == SinkWatchOptions()
+
+    with pytest.raises(SystemExit):  # checked at parse time, before any GPU is touched
+        parse("--config", "llama3_debugmodel", "--sinkwatch.every_n_steps", "0")
+    assert "every_n_steps must be None or a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--config", "llama3_debugmodel", "--sinkwatch.wandb", "sometimes")
+    with pytest.raises(ValueError, match="llama3_debugmodel"):  # an unknown name: the error lists what there is
+        parse("--config", "llama3_nope")
