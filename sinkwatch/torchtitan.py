@@ -11,13 +11,15 @@ torchtitan has no callback API; its own extensions (flux, torchft, the graph tra
 - ``load_state_dict`` (the checkpointer restores the trainer's ``step``): the callback state is
   rebuilt from sinkwatch's own store in ``out_dir`` at that step, as the Fabric adapter does.
 
-Probes run eagerly (``torch.compiler.set_stance("force_eager")``: per-block ``compile`` is
-torchtitan's default) with hooks registered for the probe only (``sinkwatch.capture.torchtitan``); the
-probe forward builds its masks with ``model.get_attention_masks`` as ``post_dataloading_process``
-does. Scalars go to ``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to
-``out_dir``. llama3 and qwen3 only (others refused by name); pipeline, context and tensor
-parallelism refused at construction. The options are the ``sinkwatch`` field of the config
-(``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock ``Trainer.Config``).
+Probes run eagerly (``torch.compiler.set_stance("force_eager")``: per-block ``compile`` is torchtitan's
+default) with hooks registered for the probe only (``sinkwatch.capture.torchtitan``); the probe forward
+builds its masks with ``model.get_attention_masks`` as ``post_dataloading_process`` does. Scalars go to
+``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to ``out_dir``; under FSDP
+parameter mixed precision (``training.mixed_precision_param``, bfloat16 by default) the probe computes in
+that dtype, as training does, and records say ``probe_dtype``. llama3 and qwen3 only (others refused by
+name); pipeline, context and tensor parallelism refused at construction. The options are the ``sinkwatch``
+field of the config (``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock
+``Trainer.Config``).
 
 This module imports torchtitan at import: import it only where torchtitan is installed (Python >= 3.11).
 """
@@ -106,6 +108,9 @@ class SinkWatchTrainer(Trainer):
         self.sinkwatch = LiveMonitor(live_config or options.live_config())
         dp = max(1, int(getattr(pd, "dp_replicate", 1) or 1)) * max(1, int(getattr(pd, "dp_shard", 1) or 1))
         self.sinkwatch.setup(self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp)
+        param_dtype = _fsdp_param_dtype(self.model_parts[0], self.config)
+        if param_dtype is not None:  # the probe computes as training does (no autocast) and its records say so
+            self.sinkwatch._compute_dtype = (param_dtype, False)
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
         self._sinkwatch_start = True  # the first batch of a fresh run probes the initial model
@@ -200,6 +205,20 @@ def __dir__() -> list[str]:  # what ConfigManager lists when --config names no f
         with contextlib.suppress(ImportError):
             names.update(_stock_config_names(family))
     return sorted(names)
+
+
+def _fsdp_param_dtype(model, config) -> torch.dtype | None:
+    """The dtype ``fully_shard``'s MixedPrecisionPolicy casts the parameters to at every all-gather, probe
+    forwards included (torchtitan's ``training.mixed_precision_param``: bfloat16 by default), where it
+    differs from the parameters' own; None where the model is not sharded or nothing is cast."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    if not isinstance(model, FSDPModule):
+        return None
+    dtype = TORCH_DTYPE_MAP.get(getattr(getattr(config, "training", None), "mixed_precision_param", None))
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return dtype if dtype is not None and dtype != own else None
 
 
 @contextlib.contextmanager

@@ -1,12 +1,13 @@
 """torchtitan under FSDP2 on 2 gloo processes (issue 27): one launch of tests/torchtitan_cells.py under a
 timeout (each cell under a watchdog) runs torchtitan's debug config for llama3 and qwen3 (two of its
-blocks), its own ``parallelize_fn`` (``apply_fsdp_to_decoder``) over its ``ParallelDims`` on a CPU mesh,
-and real ``train_step`` calls with ``SinkWatchTrainer`` and with the stock ``Trainer``, each rank on its own
-rows. Checked here: the records are written once (rank 0; rank 1 logs nothing to
-``metrics_processor.logger``), count both ranks' tokens, and the first and last equal a single-process probe
-of the same weights gathered whole, with rank 0's natural windows, within float32 noise (rtol 1e-5, atol
-1e-6: the sharded forward computes on exactly the weights the single process holds, only reductions may be
-ordered differently); every rank's final shards are ``torch.equal`` to the stock Trainer's."""
+blocks), its own ``parallelize_fn`` (``apply_fsdp_to_decoder``) over its ``ParallelDims`` on a CPU mesh, and
+real ``train_step`` calls with ``SinkWatchTrainer`` and with the stock ``Trainer``, each rank on its own
+rows (and llama3 once more in torchtitan's default bfloat16 parameter mixed precision). Checked here: the
+records are written once (rank 0; rank 1 logs nothing to ``metrics_processor.logger``), count both ranks'
+tokens, and the first and last equal a single-process probe of the same weights gathered whole, with rank
+0's natural windows, within float32 noise (rtol 1e-5, atol 1e-6: the sharded forward computes on exactly the
+weights the single process holds, only reductions may be ordered differently); every rank's final shards are
+``torch.equal`` to the stock Trainer's."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torchtitan_helpers as th  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
 FAMILIES = ["llama3", "qwen3"]
+CELLS = [*FAMILIES, "llama3_bf16"]
 RTOL, ATOL = 1e-5, 1e-6  # float32 noise (parallel_matrix.RTOL/ATOL)
 
 
@@ -44,7 +46,7 @@ def launch(tmp_path_factory):
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)
     with open(out / "launch.log", "w") as log:
         proc = subprocess.Popen(
-            torchrun(HERE / "torchtitan_cells.py", str(out), *FAMILIES), stdout=log, stderr=subprocess.STDOUT, env=env,
+            torchrun(HERE / "torchtitan_cells.py", str(out), *CELLS), stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )  # fmt: skip
         try:
@@ -128,6 +130,16 @@ def test_torchtitan_fsdp2_training_is_the_stock_trainers(launch, family):
     Trainer's from the same initial weights and batches."""
     _, results = cell_results(launch, family)
     assert [r["same_as_stock"] for r in results] == [True, True]
+
+
+def test_torchtitan_fsdp2_bf16_probes_say_the_dtype_they_compute_in(launch):
+    """torchtitan's default parameter mixed precision (bfloat16 all-gathers of float32 shards): the probes run
+    in it as training does, and the records say bfloat16 (float32 before: the shards' own dtype)."""
+    d, results = cell_results(launch, "llama3_bf16")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, tc.EVERY, tc.STEPS] and all("error" not in r for r in records)
+    assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+    assert [r["logged_steps"] for r in results] == [[0, tc.EVERY, tc.STEPS], []]
 
 
 def test_the_torchtitan_launch_ended_cleanly(launch):

@@ -48,9 +48,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def stock_config(family: str):
+def stock_config(family: str, *, bf16: bool = False):
     """torchtitan's own debug config for ``family``, shrunk: float32 parameters in FSDP's all-gather (so a
-    probe can be compared with float32 weights in one process), a short run of short batches."""
+    probe can be compared with float32 weights in one process; ``bf16``: its default, bfloat16), a short
+    run of short batches."""
     if family == "llama3":
         from torchtitan.models.llama3.config_registry import llama3_debugmodel as debugmodel
     else:
@@ -58,7 +59,7 @@ def stock_config(family: str):
     config = debugmodel()
     config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
     config.training.steps, config.training.local_batch_size, config.training.seq_len = STEPS, BATCH, T
-    config.training.mixed_precision_param = "float32"
+    config.training.mixed_precision_param = "bfloat16" if bf16 else "float32"
     # the default "spmd_types" backend hands fully_shard plain tensors with SPMD annotations, which torch 2.13's
     # fully_shard refuses at dp_shard > 1 ("all parameters must be DTensors"); "partial_dtensor" is its other FSDP path
     config.parallelism.spmd_backend = "partial_dtensor"
@@ -133,7 +134,10 @@ def train(trainer, vocab_size: int):
         trainer.train_step(data)
 
 
-def family_cell(cell: Path, family: str) -> dict:
+def family_cell(cell: Path, name: str) -> dict:
+    """``<family>``: both runs, everything saved; ``<family>_bf16``: FSDP's default bfloat16 parameter mixed
+    precision, the SinkWatchTrainer run alone (its records)."""
+    family, bf16 = name.removesuffix("_bf16"), name.endswith("_bf16")
     import torchtitan.distributed.parallel_dims as pdims
     from torchtitan.distributed import ParallelDims
     from torchtitan.trainer import Trainer
@@ -142,21 +146,24 @@ def family_cell(cell: Path, family: str) -> dict:
 
     pdims.device_type = "cpu"  # torchtitan falls back to "cuda" where no accelerator is found; the mesh here is CPU (gloo)
     th.eager_flex(trainable=True)
-    stock = stock_config(family)
+    stock = stock_config(family, bf16=bf16)
     parallel_dims = ParallelDims.from_config(stock.parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     V = stock.model_spec.model.vocab_size
 
-    plain = build_trainer(Trainer, stock, parallel_dims, cell)
-    train(plain, V)
-
     options = {"every_n_steps": EVERY, "out_dir": str(cell / "sw"), "wandb": "disabled", "console": False, "raise_on_error": True}
-    config = sinkwatch_config(stock_config(family), **options)
+    config = sinkwatch_config(stock_config(family, bf16=bf16), **options)
     trainer = build_trainer(SinkWatchTrainer, config, parallel_dims, cell)
     initial = full_params(trainer.model_parts[0])
     trainer.sinkwatch_setup()
     th.use_small_probes(trainer.sinkwatch)
     train(trainer, V)
+    logged = [c.args[1] for c in trainer.metrics_processor.logger.log.call_args_list]
+    if bf16:
+        return {"logged_steps": logged}
+
+    plain = build_trainer(Trainer, stock, parallel_dims, cell)
+    train(plain, V)
 
     a, b = params(trainer.model_parts[0]), params(plain.model_parts[0])
     same = sorted(a) == sorted(b) and all(torch.equal(a[k].to_local(), b[k].to_local()) for k in a)  # this rank's shards
@@ -168,7 +175,6 @@ def family_cell(cell: Path, family: str) -> dict:
     if _rank() == 0:
         torch.save(initial, cell / "initial.pt")
         torch.save(final, cell / "final.pt")
-    logged = [c.args[1] for c in trainer.metrics_processor.logger.log.call_args_list]
     sharded = sorted({type(m).__name__ for m in trainer.model_parts[0].modules() if "FSDP" in type(m).__name__})
     return {"same_as_stock": same, "logged_steps": logged, "sharded": sharded, "skip_lm_head": trainer.model_parts[0]._skip_lm_head}
 
