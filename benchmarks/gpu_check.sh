@@ -112,6 +112,20 @@ else
   echo "OLMo-core two-backend group skipped: no olmo_core or no GPU" | tee -a "$OUT/gpu_live25.txt"
 fi
 
+# 5c. issue 27 (at most 90 s): a real torchtitan 0.3.0 Trainer (llama3 debug model, 4 steps, torchtitan's defaults:
+#     FSDP2 + bf16 parameter mixed precision, CUDA graphs, compiled FlexAttention) built from the documented
+#     `--module sinkwatch.torchtitan` command line; records at 0, 2, 4. Only where python >= 3.11, torch has the
+#     FSDP API torchtitan 0.3.0 imports (>= 2.12) and torchtitan 0.3.0 is importable (carried as wheels: the image lacks it)
+if ! tt_why=$(python3 benchmarks/gpu_torchtitan_check.py --requirements 2>&1); then
+  echo "torchtitan Trainer run skipped: ${tt_why}" | tee "$OUT/gpu_torchtitan.txt"
+elif [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -lt 1 ]; then
+  echo "torchtitan Trainer run skipped: no GPU" | tee "$OUT/gpu_torchtitan.txt"
+else
+  tt_out=$(mktemp -d)
+  stage gpu_torchtitan.txt 90 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    benchmarks/gpu_torchtitan_check.py --out "$tt_out"
+fi
+
 # 6. the interpreter's small cases, compiled this time (many autotune compiles: last, and bounded)
 stage gpu_small_cases.txt 90 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py -m "not gpu"
 exit "$status"

@@ -11,13 +11,15 @@ torchtitan has no callback API; its own extensions (flux, torchft, the graph tra
 - ``load_state_dict`` (the checkpointer restores the trainer's ``step``): the callback state is
   rebuilt from sinkwatch's own store in ``out_dir`` at that step, as the Fabric adapter does.
 
-Probes run eagerly (``torch.compiler.set_stance("force_eager")``: per-block ``compile`` is
-torchtitan's default) with hooks registered for the probe only (``sinkwatch.capture.torchtitan``); the
-probe forward builds its masks with ``model.get_attention_masks`` as ``post_dataloading_process``
-does. Scalars go to ``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to
-``out_dir``. llama3 and qwen3 only (others refused by name); pipeline, context and tensor
-parallelism refused at construction. The options are the ``sinkwatch`` field of the config
-(``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock ``Trainer.Config``).
+Probes run eagerly (``torch.compiler.set_stance("force_eager")``: per-block ``compile`` is torchtitan's
+default) with hooks registered for the probe only (``sinkwatch.capture.torchtitan``); the probe forward
+builds its masks with ``model.get_attention_masks`` as ``post_dataloading_process`` does. Scalars go to
+``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to ``out_dir``; under FSDP
+parameter mixed precision (``training.mixed_precision_param``, bfloat16 by default) the probe computes in
+that dtype, as training does, and records say ``probe_dtype``. llama3 and qwen3 only (others refused by
+name); pipeline, context and tensor parallelism refused at construction. The options are the ``sinkwatch``
+field of the config (``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock
+``Trainer.Config``).
 
 This module imports torchtitan at import: import it only where torchtitan is installed (Python >= 3.11).
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchtitan.trainer import Trainer
@@ -37,11 +39,13 @@ from .live import LiveConfig, LiveMonitor
 from .reporting.base import Reporter
 
 TESTED_TORCHTITAN = "0.3.0"
+__all__ = ["TESTED_TORCHTITAN", "MetricsLoggerReporter", "SinkWatchOptions", "SinkWatchTrainer", "sinkwatch_config"]
 
 
 @dataclass(kw_only=True, slots=True)
 class SinkWatchOptions:
-    """The live options a torchtitan config carries (scalars: they come from the command line too)."""
+    """The live options a torchtitan config carries (scalars: they come from the command line too, as
+    ``--sinkwatch.every_n_steps 100``; checked when the config is parsed, not after the Trainer is built)."""
 
     every_n_steps: int | None = 250
     log_spaced: int | None = None
@@ -49,9 +53,12 @@ class SinkWatchOptions:
     probe_at_end: bool = True
     out_dir: str = "./sinkwatch"
     natural: bool = True
-    wandb: str = "auto"
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     console: bool = True
     raise_on_error: bool = False
+
+    def __post_init__(self) -> None:
+        self.live_config()  # a ValueError/TypeError naming the option, at parse time
 
     def live_config(self) -> LiveConfig:
         return LiveConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -101,6 +108,9 @@ class SinkWatchTrainer(Trainer):
         self.sinkwatch = LiveMonitor(live_config or options.live_config())
         dp = max(1, int(getattr(pd, "dp_replicate", 1) or 1)) * max(1, int(getattr(pd, "dp_shard", 1) or 1))
         self.sinkwatch.setup(self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp)
+        param_dtype = _fsdp_param_dtype(self.model_parts[0], self.config)
+        if param_dtype is not None:  # the probe computes as training does (no autocast) and its records say so
+            self.sinkwatch._compute_dtype = (param_dtype, False)
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
         self._sinkwatch_start = True  # the first batch of a fresh run probes the initial model
@@ -140,8 +150,75 @@ class SinkWatchTrainer(Trainer):
 
 def sinkwatch_config(stock: Trainer.Config, **options: Any) -> SinkWatchTrainer.Config:
     """A stock ``Trainer.Config`` (e.g. ``llama3_debugmodel()``) as a ``SinkWatchTrainer.Config``."""
-    fields = {f.name: getattr(stock, f.name) for f in dataclasses.fields(stock)}
+    if type(stock) not in (Trainer.Config, SinkWatchTrainer.Config):
+        raise TypeError(
+            f"sinkwatch_config wraps torchtitan's stock Trainer.Config; got {type(stock).__qualname__}, another trainer's config "
+            "(its own trainer class would be replaced by SinkWatchTrainer): subclass that trainer with SinkWatchTrainer's "
+            "three overrides instead, or start from a stock config"
+        )
+    fields = {f.name: getattr(stock, f.name) for f in dataclasses.fields(stock) if f.name != "sinkwatch"}
     return SinkWatchTrainer.Config(**fields, sinkwatch=SinkWatchOptions(**options))
+
+
+# ---- ``--module sinkwatch.torchtitan``: torchtitan's ConfigManager imports this module (there is no
+# ``sinkwatch.torchtitan.config_registry``) and calls ``getattr(module, <--config>)()``. Every llama3 and
+# qwen3 config function of torchtitan's own registries is offered here under its own name, wrapped.
+CONFIG_FAMILIES = ("llama3", "qwen3")
+
+
+def _stock_registry(family: str):
+    import importlib
+
+    return importlib.import_module(f"torchtitan.models.{family}.config_registry")
+
+
+def _stock_config_names(family: str) -> list[str]:
+    registry = _stock_registry(family)
+    return sorted(
+        n for n, f in vars(registry).items()
+        if n.startswith(f"{family}_") and callable(f) and getattr(f, "__module__", None) == registry.__name__
+    )  # fmt: skip
+
+
+def __getattr__(name: str):
+    family = name.split("_", 1)[0]
+    if name.startswith("_") or family not in CONFIG_FAMILIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    stock = getattr(_stock_registry(family), name, None)
+    if stock is None or not callable(stock):
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r}: torchtitan.models.{family}.config_registry has no config function "
+            f"{name!r} (it has {_stock_config_names(family)})"
+        )
+
+    def config() -> SinkWatchTrainer.Config:
+        return sinkwatch_config(stock())
+
+    config.__name__ = config.__qualname__ = name
+    config.__doc__ = f"torchtitan's ``{family}.config_registry.{name}()`` with SinkWatchTrainer (``--sinkwatch.*`` options)."
+    return config
+
+
+def __dir__() -> list[str]:  # what ConfigManager lists when --config names no function here
+    names = set(__all__)
+    for family in CONFIG_FAMILIES:
+        with contextlib.suppress(ImportError):
+            names.update(_stock_config_names(family))
+    return sorted(names)
+
+
+def _fsdp_param_dtype(model, config) -> torch.dtype | None:
+    """The dtype ``fully_shard``'s MixedPrecisionPolicy casts the parameters to at every all-gather, probe
+    forwards included (torchtitan's ``training.mixed_precision_param``: bfloat16 by default), where it
+    differs from the parameters' own; None where the model is not sharded or nothing is cast."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    if not isinstance(model, FSDPModule):
+        return None
+    dtype = TORCH_DTYPE_MAP.get(getattr(getattr(config, "training", None), "mixed_precision_param", None))
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return dtype if dtype is not None and dtype != own else None
 
 
 @contextlib.contextmanager

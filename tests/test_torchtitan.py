@@ -157,25 +157,43 @@ def test_other_torchtitan_models_are_refused_by_name():
         resolve_target(model)
 
 
+def test_the_probe_reaches_the_logits_when_the_trainer_skips_lm_head():
+    """With ChunkedLossWrapper (the stock debug configs' loss) the Trainer sets ``model._skip_lm_head`` and
+    the forward returns hidden states; the probe turns it off for its own forwards only."""
+    model = debug_model("llama3")
+    V = model.config.vocab_size
+    probes = [InductionProbe(n=4, seq_len=64, vocab_range=(2, V))]
+    want = Monitor(probes).probe(model).to_record()
+    model._skip_lm_head = True
+    got = Monitor(probes).probe(model).to_record()
+    assert model._skip_lm_head is True
+    assert got["induction_target"]["loss"] == want["induction_target"]["loss"] and got["sink_alpha"] == want["sink_alpha"]
+
+
+def test_the_context_is_the_rope_cache_the_trainer_sized(monkeypatch):
+    """Trainer's ``update_from_config`` sizes the RoPE cache to ``training.seq_len``: a longer probe is refused
+    up front instead of failing inside the rotary embedding."""
+    _without_datasets(monkeypatch)
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    config.training.seq_len = 48
+    config.model_spec.model.layers = config.model_spec.model.layers[:1]
+    config.model_spec.model.update_from_config(config=config)
+    model = config.model_spec.model.build()
+    model.init_states()
+    assert resolve_target(model).context == 48
+    with pytest.raises(ValueError, match="context of 48"):
+        Monitor([InductionProbe(n=2, seq_len=64, vocab_range=(2, 100))]).probe(model)
+
+
 def _without_datasets(monkeypatch):
-    """torchtitan.trainer imports its Hugging Face data loaders, which import ``datasets``; datasets < 4.8 (its
-    pin) would downgrade this environment's fsspec, so where it is absent a module that refuses every use
-    stands in for it (no test here loads a dataset)."""
-    import importlib.util
-    import types
+    """torchtitan.trainer imports ``datasets``; where it is absent a module that refuses every use stands in
+    (tests/torchtitan_helpers.py; no test here loads a dataset)."""
+    from torchtitan_helpers import datasets_stand_in
 
-    if importlib.util.find_spec("datasets") is not None:
-        return
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("datasets is not installed (a stand-in module)")
-
-    stub = types.ModuleType("datasets")
-    stub.Dataset, stub.load_dataset = type("Dataset", (), {}), refuse
-    stub.distributed = types.ModuleType("datasets.distributed")
-    stub.distributed.split_dataset_by_node = refuse
-    monkeypatch.setitem(sys.modules, "datasets", stub)
-    monkeypatch.setitem(sys.modules, "datasets.distributed", stub.distributed)
+    for name, module in datasets_stand_in().items():
+        monkeypatch.setitem(sys.modules, name, module)
 
 
 @pytest.fixture
@@ -279,3 +297,45 @@ def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_p
         with pytest.raises(ValueError, match="parallelism"):
             SinkWatchTrainer.sinkwatch_setup(trainer)
         setattr(trainer.parallel_dims, f"{kind}_enabled", False)
+
+
+def test_module_flag_through_torchtitans_config_manager(monkeypatch, capsys, tmp_path):
+    """``--module sinkwatch.torchtitan --config <a llama3/qwen3 config of torchtitan's>``, parsed by torchtitan's own
+    ConfigManager (what ``python -m torchtitan.train`` runs): the stock config as a SinkWatchTrainer.Config, whose
+    ``build()`` (train.py's next call) constructs a SinkWatchTrainer, with every sinkwatch option settable."""
+    _without_datasets(monkeypatch)
+    import dataclasses
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from sinkwatch.torchtitan import SinkWatchOptions, SinkWatchTrainer
+
+    def parse(*args: str):
+        return ConfigManager().parse_args(["--module", "sinkwatch.torchtitan", *args])
+
+    config = parse(
+        "--config", "llama3_debugmodel", "--training.steps", "5", "--sinkwatch.every_n_steps", "7", "--sinkwatch.log_spaced", "20",
+        "--sinkwatch.no-probe-at-start", "--sinkwatch.no-probe-at-end", "--sinkwatch.out_dir", str(tmp_path), "--sinkwatch.no-natural",
+        "--sinkwatch.wandb", "offline", "--sinkwatch.no-console", "--sinkwatch.raise-on-error",
+    )  # fmt: skip
+    assert type(config) is SinkWatchTrainer.Config and type(config)._owner is SinkWatchTrainer
+    assert type(dataclasses.replace(config)) is SinkWatchTrainer.Config  # build() = _owner(config=replace(self))
+    assert config.sinkwatch == SinkWatchOptions(
+        every_n_steps=7, log_spaced=20, probe_at_start=False, probe_at_end=False, out_dir=str(tmp_path), natural=False, wandb="offline",
+        console=False, raise_on_error=True,
+    )  # fmt: skip
+    stock = llama3_debugmodel()
+    assert config.training.steps == 5 and config.model_spec.name == "llama3" and config.model_spec.flavor == stock.model_spec.flavor
+    assert type(config.loss) is type(stock.loss) and config.optimizer == stock.optimizer and config.parallelism == stock.parallelism
+
+    qwen = parse("--config", "qwen3_debugmodel")
+    assert type(qwen) is SinkWatchTrainer.Config and qwen.model_spec.name == "qwen3" and qwen.sinkwatch == SinkWatchOptions()
+
+    with pytest.raises(SystemExit):  # checked at parse time, before any GPU is touched
+        parse("--config", "llama3_debugmodel", "--sinkwatch.every_n_steps", "0")
+    assert "every_n_steps must be None or a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--config", "llama3_debugmodel", "--sinkwatch.wandb", "sometimes")
+    with pytest.raises(ValueError, match="llama3_debugmodel"):  # an unknown name: the error lists what there is
+        parse("--config", "llama3_nope")

@@ -8,7 +8,8 @@ before they reach ``inner_attention(q, k, v, attention_masks=..., scale=..., ena
 the scale is the one the layer passes (``head_dim ** -0.5`` when it passes None, as FlexAttention
 does); what each head writes is read at the input of ``attention.wo``. The probe forward builds its
 masks the way training does (``model.get_attention_masks(positions)`` with one document per row:
-plain causal), since FlexAttention needs them.
+plain causal), since FlexAttention needs them, and always ends at the logits (``_skip_lm_head``, which the
+Trainer sets when the loss applies the output layer itself, is off for the probe).
 
 Models other than llama3 and qwen3 (deepseek_v3's MLA, qwen3_5's gated attention and GatedDeltaNet,
 gpt_oss's sinks and windows) are refused by name, as is a pipeline stage (a rank without every layer).
@@ -76,7 +77,12 @@ class TorchtitanTarget(ProbeTarget):
 
     @property
     def context(self) -> int | None:
-        return None  # RoPE: the probe lengths are the user's choice
+        """The RoPE cache's length: ``Trainer`` sizes it to ``training.seq_len`` (``update_from_config``), and a
+        longer probe would fail inside the rotary embedding with a reshape error."""
+        try:
+            return int(self.model.config.max_seq_len)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
     @contextlib.contextmanager
     def capture(self, collector: Collector):
@@ -87,7 +93,8 @@ class TorchtitanTarget(ProbeTarget):
             positions = torch.arange(S, device=input_ids.device).expand(B, S)  # one document per row: causal
             masks = self.model.get_attention_masks(positions)
             session.begin()
-            logits = self.model(input_ids, attention_masks=masks)  # (B, S, V): torchtitan returns every position's
+            with _with_lm_head(self.model):
+                logits = self.model(input_ids, attention_masks=masks)  # (B, S, V): torchtitan returns every position's
             session.end()
             losses = losses_from_logits(logits, input_ids) if token_losses else None
             return ProbeForward(logits if all_logits else logits[:, -1:], losses)
@@ -102,6 +109,19 @@ class TorchtitanTarget(ProbeTarget):
         finally:
             for h in handles:
                 h.remove()
+
+
+@contextlib.contextmanager
+def _with_lm_head(model: nn.Module):
+    """The probe forward ends at the logits even where training skips the output layer: with
+    ``ChunkedLossWrapper`` (the stock llama3/qwen3 configs' loss) the Trainer sets ``model._skip_lm_head``
+    and the loss applies ``lm_head`` chunk by chunk, so the forward alone returns hidden states."""
+    skip = getattr(model, "_skip_lm_head", False)
+    model._skip_lm_head = False
+    try:
+        yield
+    finally:
+        model._skip_lm_head = skip
 
 
 def _inner_hook(attention: nn.Module):
