@@ -110,6 +110,7 @@ def test_torchtitan_fsdp2_records_equal_a_single_process_probe(launch, family, t
     per_step = tc.BATCH * tc.T * 2  # both ranks' batches
     assert [r["tokens"] for r in records] == [0, tc.EVERY * per_step, tc.STEPS * per_step]
     assert {r["model"] for r in records} == {f"torchtitan.{family.capitalize()}Model"}
+    assert {r["probe_split"]["ranks"] for r in records} == {2}  # each rank probed its share of the sequences
     assert [r["logged_steps"] for r in results] == [[0, tc.EVERY, tc.STEPS], []]  # metrics_processor.logger: rank 0 only
     for r in results:
         assert f"FSDP{family.capitalize()}Model" in r["sharded"] and r["skip_lm_head"]  # sharded; the loss applied lm_head
