@@ -46,7 +46,6 @@ class Store:
         # records from before sinkwatch named the protocol were made with sinkwatch's
         self.protocols = sorted({r.get("protocol", "sinkwatch") for r in self.records})
         self.protocol = self.protocols[0] if len(self.protocols) == 1 else "mixed: " + ", ".join(self.protocols)
-        self.has_tokens = all(r.get("tokens") is not None for r in self.records)
         self.ablation = read_ablation(self.path)  # DIR/ablation.json: the group ablation, when the replay ran it
         self.segment_note = ""
 
@@ -70,7 +69,6 @@ class Store:
             part = copy.copy(self)
             part.records = seg
             part.events = events
-            part.has_tokens = all(r.get("tokens") is not None for r in seg)
             tag = hashes[i] or "no config_hash"
             part.label = f"{self.label} [{tag}]" if hashes.count(hashes[i]) == 1 else f"{self.label} [{tag} run {i + 1}]"
             part.segment_note = (
@@ -91,11 +89,15 @@ class Store:
             view.records = [r for r in self.records if r.get("run") == run]
             view.run = run
             view.label = self.label if run is None else f"{self.label} [{run}]"
-            view.has_tokens = all(r.get("tokens") is not None for r in view.records)
             if run is not None:  # what belongs to the store as a whole is reported once, with the main run
                 view.outside, view.flagged, view.moved, view.failed, view.events, view.ablation = [], [], {}, {}, [], None
             out.append(view)
         return out
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether every record knows its tokens seen (else the x axis is the training step)."""
+        return all(r.get("tokens") is not None for r in self.records)
 
     def x(self) -> list[float]:
         """Tokens seen (the step when tokens are unknown: ``has_tokens`` says which)."""
