@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .fmt import _tokens
+from ..reporting.figures import save
+from .markdown import _tokens
 
 if TYPE_CHECKING:
     from .store import Store
@@ -69,3 +71,22 @@ def _plot(ax, x, y, **kw):
 
 def _log_axis(stores: Sequence[Store]) -> bool:
     return all(s.is_replay for s in stores)
+
+
+SINK_FRACTION_LABEL = "sink-head fraction (first-token >= 30x)"
+
+
+def _final_layers_axes(ax) -> None:
+    """Axes of a bar chart of sink heads per layer at the final revision, with room above the bars for its legend."""
+    ax.set_xlabel("layer")
+    ax.set_ylabel("sink heads at the final revision")
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * (1 + 0.12 * entries))  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _saved(fig, out: Path, name: str) -> str:
+    """Lay ``fig`` out and save it as ``out/name`` (closing it); returns ``name``, the figure's name in the markdown."""
+    fig.tight_layout()
+    save(fig, out / name)
+    return name

@@ -10,6 +10,7 @@ from .. import findings as F
 from .axes import _x_label
 from .figures import figure_final_layers, figure_heatmaps, figure_prefix, figure_sink_heads, figure_sink_rate, figure_stages
 from .heads import _head_comparison_lines, figure_head_comparison, head_comparisons
+from .markdown import _image, _write_markdown
 from .paper import PROTOCOL_NOTE, _ablation_lines, _findings_section
 from .store import Store
 from .tables import _provenance_lines, _trajectory_table
@@ -47,7 +48,7 @@ def build_report(
     ] + [""]
     for name in figures:
         if name:
-            md += [f"![{name}]({name})", ""]
+            md += [_image(name), ""]
     for i, s in enumerate(loaded):
         md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see SPEC §8')}.", ""]
         changes = list(dict.fromkeys(c for r in s.records for c in r.get("protocol_changes") or []))
@@ -75,7 +76,5 @@ def build_report(
         comps = head_comparisons(s, per_head)
         md += _head_comparison_lines(s, comps, figure_head_comparison(s, comps, out, i))
     if heatmaps:
-        md += ["## Layer x head heatmaps", ""] + [f"![{n}]({n})" for n in heatmaps] + [""]
-    path = out / "report.md"
-    path.write_text("\n".join(md) + "\n")
-    return path
+        md += ["## Layer x head heatmaps", ""] + [_image(n) for n in heatmaps] + [""]
+    return _write_markdown(out, md)

@@ -12,7 +12,7 @@ from .. import findings as F
 from ..records import best_induction_score, n_sink_heads, softmax_heads
 from ..reporting.figures import _plt, record_heatmaps, save
 from ..stages import INDUCTION_STATES, P0_STAGES
-from .axes import _empty, _legend, _log_axis, _plot, _xaxis
+from .axes import SINK_FRACTION_LABEL, _empty, _final_layers_axes, _legend, _log_axis, _plot, _saved, _xaxis
 from .store import Store
 
 
@@ -47,16 +47,14 @@ def figure_sink_heads(stores, out: Path, reference: dict) -> str | None:
     if not drawn:
         plt.close(fig)
         return None
-    a1.set_ylabel("sink-head fraction (first-token >= 30x)")
+    a1.set_ylabel(SINK_FRACTION_LABEL)
     a2.set_ylabel("induction heads")
     for ax in (a1, a2):
         _xaxis(ax, stores, log)
         _legend(ax)
     a1.set_title("sink-head fraction")
     a2.set_title("induction heads (selectivity screen)")
-    fig.tight_layout()
-    save(fig, out / "sink_and_induction_heads.png")
-    return "sink_and_induction_heads.png"
+    return _saved(fig, out, "sink_and_induction_heads.png")
 
 
 def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
@@ -91,14 +89,8 @@ def figure_final_layers(stores, out: Path, reference: dict) -> str | None:
                 hatch="//",
                 label=f"{s.reference_key} (paper)",
             )
-    ax.set_xlabel("layer")
-    ax.set_ylabel("sink heads at the final revision")
-    entries = len(ax.get_legend_handles_labels()[0])
-    ax.set_ylim(0, max(ax.get_ylim()[1], 1) * (1 + 0.12 * entries))  # room for the legend above the bars
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    save(fig, out / "final_sink_heads_per_layer.png")
-    return "final_sink_heads_per_layer.png"
+    _final_layers_axes(ax)
+    return _saved(fig, out, "final_sink_heads_per_layer.png")
 
 
 def figure_stages(stores, out: Path) -> str:
@@ -117,9 +109,7 @@ def figure_stages(stores, out: Path) -> str:
     _legend(a1)
     _xaxis(a2, stores)
     a1.grid(alpha=0.3)
-    fig.tight_layout()
-    save(fig, out / "stage_timeline.png")
-    return "stage_timeline.png"
+    return _saved(fig, out, "stage_timeline.png")
 
 
 def figure_sink_rate(stores, out: Path) -> str | None:
@@ -150,9 +140,7 @@ def figure_sink_rate(stores, out: Path) -> str | None:
             "P0 circuit layer: no probe found one\n(no block met both the norm-ratio and the\n"
             "direction-consistency thresholds, or the\nprobe had no sink source)",
         )
-    fig.tight_layout()
-    save(fig, out / "sink_rate.png")
-    return "sink_rate.png"
+    return _saved(fig, out, "sink_rate.png")
 
 
 def figure_prefix(stores, out: Path) -> str | None:
@@ -161,10 +149,7 @@ def figure_prefix(stores, out: Path) -> str | None:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, s in enumerate(stores):
-        best = [
-            best_induction_score(r)
-            for r in s.records
-        ]
+        best = [best_induction_score(r) for r in s.records]
         _plot(a1, s.x(), best, color=f"C{i}", marker="o", label=s.label)
         _plot(a2, s.x(), s.column("icl_score"), color=f"C{i}", marker="o", label=s.label)
     a1.set_ylabel("best prefix-matching (induction) score")
@@ -173,9 +158,7 @@ def figure_prefix(stores, out: Path) -> str | None:
     for ax in (a1, a2):
         _xaxis(ax, stores)
         _legend(ax)
-    fig.tight_layout()
-    save(fig, out / "induction_score_and_icl.png")
-    return "induction_score_and_icl.png"
+    return _saved(fig, out, "induction_score_and_icl.png")
 
 
 def figure_heatmaps(store: Store, out: Path, index: int) -> list[str]:

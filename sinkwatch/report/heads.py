@@ -7,8 +7,9 @@ import math
 from pathlib import Path
 
 from .. import findings as F
-from ..reporting.figures import _plt, save
-from .axes import _empty
+from ..reporting.figures import _plt
+from .axes import _empty, _saved
+from .markdown import _image
 from .paper import PROTOCOL_NOTE
 from .store import Store
 
@@ -71,10 +72,7 @@ def figure_head_comparison(s: Store, comps: list[dict], out: Path, index: int) -
     fig.supxlabel("paper's selectivity (x baseline)", fontsize=9)
     fig.supylabel(f"ours ({s.protocol} protocol)", fontsize=9)
     fig.suptitle(f"{s.label}: head-by-head vs Xu 2026 (the 45 listed heads, six classes)", fontsize=10)
-    fig.tight_layout()
-    name = f"head_comparison_{index}.png"
-    save(fig, out / name)
-    return name
+    return _saved(fig, out, f"head_comparison_{index}.png")
 
 
 def _head_comparison_lines(s: Store, comps: list[dict], figure: str | None) -> list[str]:
@@ -82,7 +80,7 @@ def _head_comparison_lines(s: Store, comps: list[dict], figure: str | None) -> l
         return []
     lines = [f"### Head by head vs the paper: {s.label}", "", f"Ours: {PROTOCOL_NOTE.get(s.protocol, s.protocol)}.", ""]
     if figure:
-        lines += [f"![{figure}]({figure})", ""]
+        lines += [_image(figure), ""]
     lines += ["| revision | largest relative deviation | heads whose best class or 30x/50x/100x side differs |", "|---|---|---|"]
     for c in comps:
         w = c["largest_deviation"]

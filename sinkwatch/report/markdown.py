@@ -1,7 +1,9 @@
-"""Numbers as the markdown tables write them: token counts (6.29B), short floats, yes/no, a dash for none."""
+"""The pieces every markdown section writes: numbers as the tables write them (token counts as 6.29B,
+short floats, yes/no, a dash for none), a figure's line, and the ``report.md`` file itself."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -31,3 +33,15 @@ def _value(v: Any, has_tokens: bool) -> str:
     if isinstance(v, float) and not has_tokens:
         return f"step {v:.0f}"
     return _fmt(v)
+
+
+def _image(name: str) -> str:
+    """The markdown line that shows the figure ``name`` (a PNG beside ``report.md``)."""
+    return f"![{name}]({name})"
+
+
+def _write_markdown(out: Path, lines: list[str]) -> Path:
+    """``out/report.md`` from its lines; returns its path."""
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import findings as F
-from .fmt import _fmt, _tokens, _value
+from ..metrics import head_index
+from .markdown import _fmt, _tokens, _value
 from .store import Store
 
 PROTOCOL_NOTE = {
@@ -24,7 +25,8 @@ PROTOCOL_NOTE = {
 
 def _findings_section(s: Store, reference: dict) -> list[str]:
     try:
-        ours = F.findings(F.trajectory_from_records(s.records, s.label))
+        traj = F.trajectory_from_records(s.records, s.label)
+        ours = F.findings(traj)
     except ValueError:
         return []
     lines = [f"### Findings: {s.label}", ""]
@@ -81,7 +83,7 @@ def _findings_section(s: Store, reference: dict) -> list[str]:
         lines += [
             "",
             "Recall of the final >= 50x induction set per revision: "
-            + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(F.trajectory_from_records(s.records).revisions, ours["recall"])),
+            + ", ".join(f"{rev}: {_fmt(r)}" for rev, r in zip(traj.revisions, ours["recall"])),
         ]
     lines += _pr_lead_lines(ours, s, reference)
     return lines + [""]
@@ -105,7 +107,7 @@ def _pr_lead_lines(ours: dict, s: Store, reference: dict) -> list[str]:
     ]
     mine = {h["head"]: h for h in ours["pr_lead"]}
     theirs = {h["head"]: h for h in paper}
-    for head in sorted(set(mine) | set(theirs), key=lambda n: tuple(int(x) for x in n[1:].split("H"))):
+    for head in sorted(set(mine) | set(theirs), key=head_index):
         a, b = mine.get(head, {}), theirs.get(head, {})
         lines.append(
             f"| {head} | {_value(a.get('pr_jump_tokens'), s.has_tokens)} | {_value(a.get('selectivity_50x_tokens'), s.has_tokens)} | "
@@ -116,11 +118,6 @@ def _pr_lead_lines(ours: dict, s: Store, reference: dict) -> list[str]:
 
 
 # ---- group ablation ----------------------------------------------------------------------------------------
-def _head_key(name: str) -> tuple[int, int]:
-    layer, head = name[1:].split("H")
-    return int(layer), int(head)
-
-
 def _named_difference(ours: Sequence[str], paper: Sequence[str]) -> str:
     """`same`, or the heads only one side has, named."""
     a, b = set(ours), set(paper)
@@ -128,9 +125,9 @@ def _named_difference(ours: Sequence[str], paper: Sequence[str]) -> str:
         return "same"
     parts = []
     if a - b:
-        parts.append("only ours: " + ", ".join(sorted(a - b, key=_head_key)))
+        parts.append("only ours: " + ", ".join(sorted(a - b, key=head_index)))
     if b - a:
-        parts.append("only the paper's: " + ", ".join(sorted(b - a, key=_head_key)))
+        parts.append("only the paper's: " + ", ".join(sorted(b - a, key=head_index)))
     return "; ".join(parts)
 
 
@@ -175,6 +172,6 @@ def _ablation_lines(s: Store, reference: dict) -> list[str]:
     ):
         lines.append(
             f"| {label} | {_fmt(a[ours_key]['top1'])} | {_fmt(pub.get(pub_key))} | {', '.join(ours_heads) or 'none'} | "
-            f"{', '.join(sorted(paper_heads, key=_head_key)) or 'none'} | {_named_difference(ours_heads, paper_heads)} |"
+            f"{', '.join(sorted(paper_heads, key=head_index)) or 'none'} | {_named_difference(ours_heads, paper_heads)} |"
         )
     return lines + [""]

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import findings as F
-from ..reporting.figures import _plt, save
-from .axes import _legend, _plot, _xaxis
-from .fmt import _fmt, _tokens
+from ..metrics import head_index
+from ..reporting.figures import _plt
+from .axes import SINK_FRACTION_LABEL, _final_layers_axes, _legend, _plot, _saved, _xaxis
+from .markdown import _fmt, _image, _tokens, _write_markdown
 
 
 def build_paper_report(out_dir: str | os.PathLike) -> Path:
@@ -28,6 +29,7 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
     summary = F.published_findings_json(reference)
     (out / "findings.json").write_text(json.dumps(summary, indent=1) + "\n")
     plt = _plt()
+    shown = []  # the figures, in the order the markdown shows them
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, m in enumerate(models):
@@ -36,39 +38,33 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
         _plot(a2, t.tokens, t.ind_ge50, color=f"C{i}", marker="o", label=f"{m} >= 50x")
         _plot(a2, t.tokens, t.ind_ge30, color=f"C{i}", marker="^", ls="--", alpha=0.5, label=f"{m} >= 30x")
     a2.axhline(F.MIN_HEADS, color="k", lw=0.5, ls=":")
-    a1.set_ylabel("sink-head fraction (first-token >= 30x)")
+    a1.set_ylabel(SINK_FRACTION_LABEL)
     a2.set_ylabel("induction heads (all heads counted)")
     for ax in (a1, a2):
         _xaxis(ax, None, log=True, label="tokens seen")
         _legend(ax)
     fig.suptitle("Xu 2026, published per-head tables", fontsize=10)
-    fig.tight_layout()
-    save(fig, out / "paper_trajectories.png")
+    shown.append(_saved(fig, out, "paper_trajectories.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     width = 0.8 / len(models)
     for i, m in enumerate(models):
         per = reference["models"][m]["final_sink_heads_per_layer"]
         ax.bar(np.arange(len(per)) + i * width, per, width, color=f"C{i}", label=f"{m.split('/')[-1]} @ {trajs[m].revisions[-1]}")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("sink heads at the final revision")
-    ax.set_ylim(0, ax.get_ylim()[1] * (1 + 0.12 * len(models)))  # room for the legend above the bars
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    save(fig, out / "paper_final_sink_heads_per_layer.png")
+    _final_layers_axes(ax)
+    shown.append(_saved(fig, out, "paper_final_sink_heads_per_layer.png"))
 
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.5), squeeze=False)
     for ax, m in zip(axes[0], models):
         t = trajs[m]
         for k, name in enumerate(t.final_induction_set):
-            l, h = (int(x) for x in name[1:].split("H"))
+            l, h = head_index(name)
             _plot(ax, t.tokens, [p[l, h] for p in t.pr], color=f"C{k}", marker="o", label=name)
         ax.set_title(m.split("/")[-1], fontsize=9)
         ax.set_ylabel("PR (n = 500, float16)")
         _xaxis(ax, None, log=True, label="tokens seen")
         _legend(ax)
-    fig.tight_layout()
-    save(fig, out / "paper_pr_of_final_circuit.png")
+    shown.append(_saved(fig, out, "paper_pr_of_final_circuit.png"))
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     kinds = ("baseline", "circuit", "matched_random")
@@ -79,8 +75,7 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
     ax.set_ylabel("top-1 accuracy on B (induction probe)")
     ax.set_title("group ablation of the >= 50x induction circuit (float16, final checkpoint)", fontsize=9)
     _legend(ax)
-    fig.tight_layout()
-    save(fig, out / "paper_ablation.png")
+    shown.append(_saved(fig, out, "paper_ablation.png"))
 
     md = [
         "# Xu 2026: the published data alone",
@@ -89,14 +84,7 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
         "(sinkwatch/data/xu2026_developmental.json, xu2026_per_head.json) by the paper's own rules — no replay. "
         "`findings.json` beside this file holds the milestones and ablations.",
         "",
-        "![paper_trajectories.png](paper_trajectories.png)",
-        "",
-        "![paper_final_sink_heads_per_layer.png](paper_final_sink_heads_per_layer.png)",
-        "",
-        "![paper_pr_of_final_circuit.png](paper_pr_of_final_circuit.png)",
-        "",
-        "![paper_ablation.png](paper_ablation.png)",
-        "",
+        *(line for name in shown for line in (_image(name), "")),
         "| model | induction formed (rule) | published milestone | sink heads >= 10% | >= 50% | final >= 50x circuit | "
         "ablation top-1: baseline / circuit / matched random |",
         "|---|---|---|---|---|---|---|",
@@ -138,6 +126,4 @@ def build_paper_report(out_dir: str | os.PathLike) -> Path:
             ]
             md += [f"| {r['name']} | {r['n_ablated']} | {r['acc_top1']} | {r['acc_top5']} | {r['loss']:.3f} |" for r in sweep["results"]]
         md.append("")
-    path = out / "report.md"
-    path.write_text("\n".join(md) + "\n")
-    return path
+    return _write_markdown(out, md)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..records import best_induction_score, n_sink_heads
-from .fmt import _fmt, _tokens
+from .markdown import _fmt, _tokens
 from .store import Store
 
 
