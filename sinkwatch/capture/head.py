@@ -25,9 +25,10 @@ log-softmax, whatever V is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -170,26 +171,21 @@ class HeadTap:
     def _after_head(self, _module, _args, output):
         self._head_out = output if isinstance(output, torch.Tensor) else None
 
-    def armed(self, ids: torch.Tensor):
+    @contextlib.contextmanager
+    def armed(self, ids: torch.Tensor) -> Iterator[HeadTap]:
         """A context: the hooks live for one forward of ``ids`` (B, S)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def arm():
-            self._reset(ids)
-            if self.from_input:
-                keep = self.hidden_module.register_forward_pre_hook(lambda m, a: self._keep_hidden(m, a))
-            else:
-                keep = self.hidden_module.register_forward_hook(self._keep_hidden)
-            handles = [keep, self.head.register_forward_pre_hook(self._before_head), self.head.register_forward_hook(self._after_head)]
-            try:
-                yield self
-            finally:
-                for h in handles:
-                    h.remove()
-                self._hidden = None
-
-        return arm()
+        self._reset(ids)
+        if self.from_input:
+            keep = self.hidden_module.register_forward_pre_hook(lambda m, a: self._keep_hidden(m, a))
+        else:
+            keep = self.hidden_module.register_forward_hook(self._keep_hidden)
+        handles = [keep, self.head.register_forward_pre_hook(self._before_head), self.head.register_forward_hook(self._after_head)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._hidden = None
 
     def losses(self, model_logits: torch.Tensor) -> torch.Tensor | None:
         """The losses of the forward just run, if the head was reproduced: its input was the kept
