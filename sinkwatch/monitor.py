@@ -21,6 +21,7 @@ from .capture import ProbeTarget, resolve_target, untouched
 from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
+from .probe_memory import micro_batch_rows
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
 from .snapshot import Snapshot
@@ -201,7 +202,7 @@ class Monitor:
         return {**both, **{k: out[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
 
     def _batches(self, probe: ProbeSet) -> Iterable[slice]:
-        size = max(1, self.config.batch_tokens // probe.seq_len)
+        size = micro_batch_rows(probe.seq_len, self.config.batch_tokens)
         for b0 in range(0, probe.n, size):
             yield slice(b0, min(probe.n, b0 + size))
 
