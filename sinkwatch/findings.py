@@ -223,7 +223,7 @@ def pr_lead(traj: Trajectory, factor: float = 1.5) -> list[dict]:
         return []
     out = []
     for name in traj.final_induction_set:
-        l, h = (int(x) for x in name[1:].split("H"))
+        l, h = metrics.head_index(name)
         pr = [p[l, h] for p in traj.pr]
         sel = [s[l, h] for s in traj.selectivity]
         base = pr[0]

@@ -175,6 +175,12 @@ def head_names(mask: np.ndarray) -> list[str]:
     return [f"L{l}H{h}" for l, h in zip(*np.nonzero(mask))]
 
 
+def head_index(name: str) -> tuple[int, int]:
+    """(layer, head) of a name "L{l}H{h}" (``head_names``' inverse): a sort key in layer-then-head order."""
+    layer, head = name[1:].split("H")
+    return int(layer), int(head)
+
+
 def head_screen(scores: Mapping[str, np.ndarray], best: np.ndarray, softmax_layers: Iterable[int] | None = None) -> dict:
     """Sink heads, BOS fractions, induction and previous-token circuits from a selectivity screen.
 

@@ -21,6 +21,7 @@ from .capture import ProbeTarget, resolve_target, untouched
 from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
+from .probe_memory import micro_batch_rows
 from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
@@ -221,7 +222,7 @@ class Monitor:
         return {**both, **{k: twin[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
 
     def _micro(self, probe: ProbeSet) -> int:
-        return max(1, self.config.batch_tokens // probe.seq_len)
+        return micro_batch_rows(probe.seq_len, self.config.batch_tokens)  # the rule the memory check assumes
 
     def _batches(self, probe: ProbeSet) -> Iterable[slice]:
         for batch, _ in micro_batches(probe.n, self._micro(probe), None):

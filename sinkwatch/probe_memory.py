@@ -43,6 +43,11 @@ class ProbeMemory:
         return max(0, (available - self.fixed - self.per_row * rows) // max(1, self.per_token))
 
 
+def micro_batch_rows(seq_len: int, batch_tokens: int) -> int:
+    """Sequences per probe forward of ``seq_len``-token sequences, as ``Monitor`` batches them (at least one)."""
+    return max(1, batch_tokens // seq_len)
+
+
 def _widths(target) -> tuple[int, int, int]:
     """(d, widest, bytes per activation element) read off the target's modules."""
     module: nn.Module = target.module
@@ -64,8 +69,9 @@ def estimate(target, sets, batch_tokens: int) -> tuple[ProbeMemory, int, int]:
     per_token = act_bytes * (8 * d + 3 * widest)
     fixed = WORKSPACE_BYTES + (3 * LOSS_CHUNK_BYTES if losses else 0)
     model = ProbeMemory(per_token=per_token, fixed=fixed, per_row=int(target.vocab_size) * 4 * 2)
-    rows = max(min(s.n, max(1, batch_tokens // s.seq_len)) for s in sets)
-    tokens = max(min(s.n, max(1, batch_tokens // s.seq_len)) * s.seq_len for s in sets)
+    largest = [(min(s.n, micro_batch_rows(s.seq_len, batch_tokens)), s.seq_len) for s in sets]  # (rows, seq_len) per set
+    rows = max(r for r, _ in largest)
+    tokens = max(r * seq_len for r, seq_len in largest)
     return model, tokens, rows
 
 

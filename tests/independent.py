@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from tiny_models import OUTPUT_PROJECTION
 
@@ -164,3 +165,73 @@ def target_metrics(logits_last: np.ndarray, targets: np.ndarray) -> dict:
     loss = -logp[np.arange(len(targets)), targets].mean()
     order = np.argsort(-logits_last, axis=-1)
     return {"loss": loss, "top1": (order[:, 0] == targets).mean(), "top5": np.mean([t in o[:5] for t, o in zip(targets, order)])}
+
+
+# ---- a whole record against the re-derivations --------------------------------------------------------
+# Named tolerances (float32 statistics vs float64 eager re-computation)
+PROB_ATOL = 2e-5  # attention probabilities and their means
+RATIO_RTOL = 1e-4  # selectivity, PR, norm ratios: ratios of float32 means
+RATIO_ATOL = 1e-6  # ... whose near-zero cells are float32 denormals (1e-42) on trained models
+LOSS_ATOL = 1e-4  # ICL score, target loss (nats)
+
+
+def close(a, b, *, atol=0.0, rtol=0.0) -> None:
+    """Two arrays of one shape, equal within ``atol`` + ``rtol`` x |b|."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_allclose(a, b, atol=atol, rtol=rtol)
+
+
+def induction_ab(probe) -> np.ndarray:
+    """Per sequence of an induction probe set, the position of A before B's first copy: found from the
+    tokens where B occurs once before the last position, else the probe's own ``ab`` field."""
+    toks, b, ab = probe.tokens.numpy(), probe.fields["token_b"], probe.fields["ab"]
+    once = [(toks[n, :-1] == b[n]).sum() == 1 for n in range(len(toks))]
+    return np.array([int(np.flatnonzero(toks[n, :-1] == b[n])[0]) - 1 if once[n] else ab[n] for n in range(len(toks))])
+
+
+def check_record(record: dict, monitor, vocab: int, eager) -> None:
+    """Every record key equals its float64 re-derivation: sinks and the P0 circuit from the natural
+    probe set, the selectivity screen, PR and the induction target from the induction set, prefix
+    matching and ICL from the repeated-random set. ``eager(tokens)`` runs the model as ``eager_run``
+    does (attn, resid, oproj, logits); ``monitor`` made the record from its ``probe_sets(vocab)``."""
+    sets = {s.kind: s for s in monitor.probe_sets(vocab)}
+
+    nat = sets["natural"]
+    run = eager(nat.tokens)
+    sinks = sink_metrics(run["attn"])
+    close(record["sink_alpha"], sinks["sink_alpha"], atol=PROB_ATOL)
+    assert record["sink_rate"] == pytest.approx(sinks["sink_rate"])
+    close(record["sink_profile"], sinks["sink_profile"])
+    close(record["sink_rate_per_layer"], sinks["sink_rate_per_layer"])
+    assert record["sink_center"] == sinks["sink_center"]
+    p0 = p0_metrics(run["resid"], nat.tokens.numpy())
+    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
+    close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
+    cfg = monitor.config.stages
+    amplified = p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio
+    ok = amplified & np.append(amplified[1:], True) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
+    assert record["circuit_layer"] == (int(np.argmax(ok)) if ok.any() else None)  # held by the next block too (docs/stages.md)
+
+    probe = sets["induction"]
+    run = eager(probe.tokens)
+    sel = selectivity_metrics(run["attn"], probe.tokens.numpy(), induction_ab(probe), probe.fields["token_b"])
+    for cls, expected in sel["selectivity"].items():
+        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
+    assert np.array_equal(np.array(record["best_class"], dtype=object), sel["best_class"])
+    for key in ("sink_heads_per_layer", "induction_heads", "n_induction_ge30", "n_induction_ge50"):
+        assert record[key] == sel[key], key
+    assert record["bos_fraction_raw"] == pytest.approx(sel["bos_fraction_raw"])
+    assert record["bos_fraction_bestclass"] == pytest.approx(sel["bos_fraction_bestclass"])
+    close(record["pr"], participation_ratio(run["oproj"], record["n_heads"]), rtol=RATIO_RTOL)
+    valid = sel["valid"]
+    target = target_metrics(run["logits"][valid, -1], probe.fields["token_b"][valid])
+    assert record["induction_target"]["loss"] == pytest.approx(target["loss"], abs=LOSS_ATOL)
+    assert record["induction_target"]["top1"] == pytest.approx(target["top1"])
+    assert record["induction_target"]["top5"] == pytest.approx(target["top5"])
+
+    rep = sets["repeated"]
+    run = eager(rep.tokens)
+    pm = prefix_metrics(run["attn"], run["logits"], rep.tokens.numpy(), rep.params["half_len"])
+    close(record["induction_score"], pm["induction_score"], atol=PROB_ATOL)
+    assert record["icl_score"] == pytest.approx(pm["icl_score"], abs=LOSS_ATOL)

@@ -3,7 +3,6 @@ computation from explicit attention weights (tests/litgpt_helpers.eager_run + te
 with GQA, MQA, soft-capping, a sliding-window layer and a scores scalar; the model is left as found."""
 
 import independent as ind
-import numpy as np
 import pytest
 import torch
 
@@ -15,11 +14,6 @@ from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, Repe
 from sinkwatch.capture import LitGPTTarget, UnsupportedModelError, resolve_target  # noqa: E402
 from sinkwatch.capture.litgpt import window_of  # noqa: E402
 
-PROB_ATOL = 2e-5
-RATIO_RTOL = 1e-4
-RATIO_ATOL = 1e-6
-LOSS_ATOL = 1e-4
-
 
 def probes():
     g = torch.Generator().manual_seed(7)
@@ -30,53 +24,9 @@ def probes():
     ]
 
 
-def close(a, b, *, atol=0.0, rtol=0.0):
-    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    np.testing.assert_allclose(a, b, atol=atol, rtol=rtol)
-
-
 def check_record(model, record, monitor):
-    sets = {s.kind: s for s in monitor.probe_sets(lh.VOCAB)}
     assert (record["n_layers"], record["n_heads"]) == (model.config.n_layer, model.config.n_head)
-    nat = sets["natural"]
-    run = lh.eager_run(model, nat.tokens)
-    sinks = ind.sink_metrics(run["attn"])
-    close(record["sink_alpha"], sinks["sink_alpha"], atol=PROB_ATOL)
-    assert record["sink_rate"] == pytest.approx(sinks["sink_rate"])
-    close(record["sink_profile"], sinks["sink_profile"])
-    p0 = ind.p0_metrics(run["resid"], nat.tokens.numpy())
-    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
-    close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
-
-    probe = sets["induction"]
-    run = lh.eager_run(model, probe.tokens)
-    toks = probe.tokens.numpy()
-    ab = np.array(
-        [
-            int(np.flatnonzero(toks[n, :-1] == probe.fields["token_b"][n])[0]) - 1
-            if (toks[n, :-1] == probe.fields["token_b"][n]).sum() == 1
-            else probe.fields["ab"][n]
-            for n in range(len(toks))
-        ]
-    )
-    sel = ind.selectivity_metrics(run["attn"], toks, ab, probe.fields["token_b"])
-    for cls, expected in sel["selectivity"].items():
-        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
-    assert np.array_equal(np.array(record["best_class"], dtype=object), sel["best_class"])
-    for key in ("sink_heads_per_layer", "induction_heads", "n_induction_ge30", "n_induction_ge50"):
-        assert record[key] == sel[key], key
-    close(record["pr"], ind.participation_ratio(run["oproj"], model.config.n_head), rtol=RATIO_RTOL)
-    valid = sel["valid"]
-    target = ind.target_metrics(run["logits"][valid, -1], probe.fields["token_b"][valid])
-    assert record["induction_target"]["loss"] == pytest.approx(target["loss"], abs=LOSS_ATOL)
-    assert record["induction_target"]["top1"] == pytest.approx(target["top1"])
-
-    rep = sets["repeated"]
-    run = lh.eager_run(model, rep.tokens)
-    pm = ind.prefix_metrics(run["attn"], run["logits"], rep.tokens.numpy(), rep.params["half_len"])
-    close(record["induction_score"], pm["induction_score"], atol=PROB_ATOL)
-    assert record["icl_score"] == pytest.approx(pm["icl_score"], abs=LOSS_ATOL)
+    ind.check_record(record, monitor, lh.VOCAB, lambda tokens: lh.eager_run(model, tokens))
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma"])

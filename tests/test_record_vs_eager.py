@@ -8,18 +8,11 @@ attention with output_attentions=True and re-derives each definition with plain 
 import copy
 
 import independent as ind
-import numpy as np
 import pytest
 import torch
 from tiny_models import FAMILIES, VOCAB, build
 
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe
-
-# Named tolerances (float32 statistics vs float64 eager re-computation)
-PROB_ATOL = 2e-5  # attention probabilities and their means
-RATIO_RTOL = 1e-4  # selectivity, PR, norm ratios: ratios of float32 means
-RATIO_ATOL = 1e-6  # ... whose near-zero cells are float32 denormals (1e-42) on trained models
-LOSS_ATOL = 1e-4  # ICL score, target loss (nats)
 
 
 def natural_stream(seed=7):
@@ -35,68 +28,9 @@ def probes():
     ]
 
 
-def close(a, b, *, atol=0.0, rtol=0.0):
-    a = np.asarray(a, dtype=float)
-    b = np.asarray(b, dtype=float)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    np.testing.assert_allclose(a, b, atol=atol, rtol=rtol)
-
-
 def check_record(model, family, record, monitor):
-    sets = {s.kind: s for s in monitor.probe_sets(VOCAB)}
-    L, H = record["n_layers"], record["n_heads"]
-    assert (L, H) == (model.config.num_hidden_layers, model.config.num_attention_heads)
-
-    # --- sinks and the P0 circuit, from the natural probe
-    nat = sets["natural"]
-    run = ind.eager_run(model, family, nat.tokens)
-    sinks = ind.sink_metrics(run["attn"])
-    close(record["sink_alpha"], sinks["sink_alpha"], atol=PROB_ATOL)
-    assert record["sink_rate"] == pytest.approx(sinks["sink_rate"])
-    close(record["sink_profile"], sinks["sink_profile"])
-    close(record["sink_rate_per_layer"], sinks["sink_rate_per_layer"])
-    assert record["sink_center"] == sinks["sink_center"]
-    p0 = ind.p0_metrics(run["resid"], nat.tokens.numpy())
-    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
-    close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
-    cfg = monitor.config.stages
-    amplified = p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio
-    ok = amplified & np.append(amplified[1:], True) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
-    assert record["circuit_layer"] == (int(np.argmax(ok)) if ok.any() else None)  # held by the next block too (docs/stages.md)
-
-    # --- selectivity screen, PR and the induction target, from the induction probe
-    probe = sets["induction"]
-    run = ind.eager_run(model, family, probe.tokens)
-    toks = probe.tokens.numpy()
-    ab = np.array(
-        [
-            int(np.flatnonzero(toks[n, :-1] == probe.fields["token_b"][n])[0]) - 1
-            if (toks[n, :-1] == probe.fields["token_b"][n]).sum() == 1
-            else probe.fields["ab"][n]
-            for n in range(len(toks))
-        ]
-    )
-    sel = ind.selectivity_metrics(run["attn"], toks, ab, probe.fields["token_b"])
-    for cls, expected in sel["selectivity"].items():
-        close(record["selectivity"][cls], expected, rtol=RATIO_RTOL, atol=RATIO_ATOL)
-    assert np.array_equal(np.array(record["best_class"], dtype=object), sel["best_class"])
-    for key in ("sink_heads_per_layer", "induction_heads", "n_induction_ge30", "n_induction_ge50"):
-        assert record[key] == sel[key], key
-    assert record["bos_fraction_raw"] == pytest.approx(sel["bos_fraction_raw"])
-    assert record["bos_fraction_bestclass"] == pytest.approx(sel["bos_fraction_bestclass"])
-    close(record["pr"], ind.participation_ratio(run["oproj"], H), rtol=RATIO_RTOL)
-    valid = sel["valid"]
-    target = ind.target_metrics(run["logits"][valid, -1], probe.fields["token_b"][valid])
-    assert record["induction_target"]["loss"] == pytest.approx(target["loss"], abs=LOSS_ATOL)
-    assert record["induction_target"]["top1"] == pytest.approx(target["top1"])
-    assert record["induction_target"]["top5"] == pytest.approx(target["top5"])
-
-    # --- prefix matching and ICL, from the repeated-random probe
-    rep = sets["repeated"]
-    run = ind.eager_run(model, family, rep.tokens)
-    pm = ind.prefix_metrics(run["attn"], run["logits"], rep.tokens.numpy(), rep.params["half_len"])
-    close(record["induction_score"], pm["induction_score"], atol=PROB_ATOL)
-    assert record["icl_score"] == pytest.approx(pm["icl_score"], abs=LOSS_ATOL)
+    assert (record["n_layers"], record["n_heads"]) == (model.config.num_hidden_layers, model.config.num_attention_heads)
+    ind.check_record(record, monitor, VOCAB, lambda tokens: ind.eager_run(model, family, tokens))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -125,8 +59,8 @@ def test_sink_keys_come_from_the_induction_probe_without_a_natural_probe(trained
     record = monitor.probe(model).to_record()
     probe = monitor.probe_sets(VOCAB)[0]
     run = ind.eager_run(model, "llama", probe.tokens)
-    close(record["sink_alpha"], ind.sink_metrics(run["attn"])["sink_alpha"], atol=PROB_ATOL)
-    close(record["p0_norm_ratio"], ind.p0_metrics(run["resid"], probe.tokens.numpy())["p0_norm_ratio"], rtol=RATIO_RTOL)
+    ind.close(record["sink_alpha"], ind.sink_metrics(run["attn"])["sink_alpha"], atol=ind.PROB_ATOL)
+    ind.close(record["p0_norm_ratio"], ind.p0_metrics(run["resid"], probe.tokens.numpy())["p0_norm_ratio"], rtol=ind.RATIO_RTOL)
     assert "induction_score" not in record and "icl_score" not in record  # absent, not zero
     assert record["probe"] == "induction"
 

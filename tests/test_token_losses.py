@@ -95,6 +95,29 @@ def test_an_unknown_post_processing_falls_back_to_extra_forwards_with_the_same_n
     assert a["icl_score"] != b["icl_score"]  # the halved logits' own losses, not the plain model's
 
 
+def test_nan_logits_are_named_as_such_not_as_a_head_that_could_not_be_reproduced(monkeypatch):
+    """A model whose logits hold NaN (one NaN row of its head, as in a diverged run): NaN == NaN is false, so the
+    head tap's self-check used to fail, warn that the head "could not be reproduced" and redo the losses from extra
+    forwards. The check is NaN-aware: the tap serves the losses, and one warning says the logits are not finite."""
+    import sinkwatch.capture.head as head
+
+    monkeypatch.setattr(head, "_WARNED", set())  # each warning once per model: none given by an earlier test
+    monkeypatch.setattr(head, "_WARNED_NONFINITE", set(), raising=False)
+    model = tiny_models.build("llama", seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("nan")
+    ids = torch.randint(2, 256, (3, 40), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = _probe_losses(model, ids)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not [m for m in messages if "could not be reproduced" in m], messages
+    assert [m for m in messages if "logits are not finite" in m], messages
+    assert out.logits.shape == (3, 1, 256)  # the tap served them: no all-position forward
+    assert torch.isnan(out.token_losses).all()  # every position's softmax sees the NaN logit
+    torch.testing.assert_close(out.token_losses, _reference_losses(model, ids), equal_nan=True)
+
+
 def test_loss_chunks_are_bounded_whatever_the_vocabulary():
     for V in (256, 32_000, 262_144, 1_000_000):
         assert loss_chunk_rows(V) * V * 4 <= 32 * 2**20 or loss_chunk_rows(V) == 1

@@ -17,7 +17,8 @@ hooked for that forward:
   logits the model returned. A model whose head cannot be reproduced so (an unknown scaling, a head
   that is not one linear layer) gets its losses from extra forwards of a few rows each, with every
   position's logits, while the capture is muted (``CaptureSession.muted``): slower, still bounded
-  in memory, never wrong.
+  in memory, never wrong. A NaN or infinite logit (a diverged or overflowed model) must come out
+  as the same NaN or infinity; such logits are no reason to fall back, and get their own warning.
 
 Peak memory of the losses: one chunk of ``LOSS_CHUNK_BYTES`` of float32 logits and its
 log-softmax, whatever V is.
@@ -25,9 +26,10 @@ log-softmax, whatever V is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -118,10 +120,19 @@ def hf_logit_post(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """Whether reproduced last-position logits are the model's own, to the rounding of its dtype."""
+    """Whether reproduced last-position logits are the model's own, to the rounding of its dtype. A
+    non-finite logit (a diverged or overflowed model) must be reproduced as the same NaN or infinity:
+    NaN == NaN is false, and a model's NaN is no sign that its head was not reproduced."""
     if ours.shape != theirs.shape:
         return False
     a, b = ours.float(), theirs.float()
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)):
+        return False
+    if not finite.all():  # NaN where NaN, +inf where +inf, -inf where -inf (nan_to_num maps each to its own value)
+        if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+            return False
+        a, b = a[finite], b[finite]
     scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
     tol = 1e-4 if theirs.dtype == torch.float32 else 2e-2
     diff = float((a - b).abs().max()) if b.numel() else 0.0
@@ -170,26 +181,21 @@ class HeadTap:
     def _after_head(self, _module, _args, output):
         self._head_out = output if isinstance(output, torch.Tensor) else None
 
-    def armed(self, ids: torch.Tensor):
+    @contextlib.contextmanager
+    def armed(self, ids: torch.Tensor) -> Iterator[HeadTap]:
         """A context: the hooks live for one forward of ``ids`` (B, S)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def arm():
-            self._reset(ids)
-            if self.from_input:
-                keep = self.hidden_module.register_forward_pre_hook(lambda m, a: self._keep_hidden(m, a))
-            else:
-                keep = self.hidden_module.register_forward_hook(self._keep_hidden)
-            handles = [keep, self.head.register_forward_pre_hook(self._before_head), self.head.register_forward_hook(self._after_head)]
-            try:
-                yield self
-            finally:
-                for h in handles:
-                    h.remove()
-                self._hidden = None
-
-        return arm()
+        self._reset(ids)
+        if self.from_input:
+            keep = self.hidden_module.register_forward_pre_hook(lambda m, a: self._keep_hidden(m, a))
+        else:
+            keep = self.hidden_module.register_forward_hook(self._keep_hidden)
+        handles = [keep, self.head.register_forward_pre_hook(self._before_head), self.head.register_forward_hook(self._after_head)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._hidden = None
 
     def losses(self, model_logits: torch.Tensor) -> torch.Tensor | None:
         """The losses of the forward just run, if the head was reproduced: its input was the kept
@@ -212,6 +218,24 @@ def warn_unreproducible(model_name: str, rows: int) -> None:
         f"sinkwatch: {model_name}'s output head could not be reproduced from its final hidden states (a head that is not one "
         "linear layer, or a scaling after it that sinkwatch does not know); the repeated probe's losses come from extra forwards "
         f"of {rows} sequence(s) each with every position's logits: slower, same numbers",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_WARNED_NONFINITE: set[str] = set()
+
+
+def warn_nonfinite(model_name: str) -> None:
+    """Once per model: its logits hold NaN or infinity, so its losses (the ICL score) do too."""
+    if model_name in _WARNED_NONFINITE:
+        return
+    _WARNED_NONFINITE.add(model_name)
+    warnings.warn(
+        f"sinkwatch: {model_name}'s logits are not finite (NaN or inf): the repeated probe's per-token losses and ICL score "
+        "are NaN or inf as the model's own logits make them, not a fault of the probe. The weights or activations have "
+        "diverged or overflowed: check the training loss for a spike or NaN, load or probe in bfloat16 or float32 rather than "
+        "float16 (which overflows past 65504), and check the checkpoint's weights with torch.isfinite",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -258,4 +282,6 @@ def captured_forward(
         if tap is not None:
             tap.reproducible = False
         losses = extra_forward_losses(session, lambda ids: run(ids, True), input_ids, vocab_size, name)
+    if token_losses and not (torch.isfinite(logits[:, -1]).all() and torch.isfinite(losses).all()):
+        warn_nonfinite(name)
     return ProbeForward(logits, losses)
