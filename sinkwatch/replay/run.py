@@ -540,6 +540,7 @@ class _Loop:
         _status(self.bar, rev.name, "load")
         model = self._load(rev, path, dtype, placement)
         load_s = time.perf_counter() - t0
+        leaving = False
         try:
             default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if self.s.protocol == "paper" and dtype in ("float16", "bfloat16"):
@@ -567,9 +568,15 @@ class _Loop:
                     model = self._load(rev, path, "float16", placement)
                 values = self._oom_retry([self.pr_monitor], lambda: self.pr_monitor.probe(model, track=False).values, used)
                 record.update({"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"})
+        except Terminated:
+            # the process is leaving (a time limit): its failed row comes first, before SIGKILL follows
+            # (KillWait); a gc pass here took 0.4 s idle and seconds under load
+            leaving = True
+            raise
         finally:
             model = None
-            _release_memory()
+            if not leaving:
+                _release_memory()
         record.update(self._about(rev))
         record.update(
             {
