@@ -27,7 +27,7 @@ from tiny_models import build, config_for
 from torchrun import free_port
 
 import sinkwatch.monitor
-import sinkwatch.replay.run
+import sinkwatch.replay.measure
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, StageConfig, StageTracker
 from sinkwatch.cli import main
 from sinkwatch.replay import ClaimConfig, FetchConfig, detect_worker, merged_records, read_ablation, record_files, replay, replay_revision
@@ -514,7 +514,7 @@ def test_the_paper_protocol_frees_float32_before_the_float16_pr_pass_and_stores_
     """Issue 19: the float32 model stayed alive while the paper protocol's float16 PR copy loaded.
     Issue 18 item 10: stages were stored before the PR was added, and the report re-derived them with the default StageConfig."""
     loads, alive = [], []
-    real = sinkwatch.replay.run.load_model
+    real = sinkwatch.replay.measure.load_model
 
     def watched(*args, **kw):
         loads.append((kw.get("dtype"), sum(ref() is not None for ref in alive)))  # models still alive when this one loads
@@ -522,7 +522,7 @@ def test_the_paper_protocol_frees_float32_before_the_float16_pr_pass_and_stores_
         alive.append(weakref.ref(model))
         return model
 
-    monkeypatch.setattr(sinkwatch.replay.run, "load_model", watched)
+    monkeypatch.setattr(sinkwatch.replay.measure, "load_model", watched)
     stages = StageConfig(patience=1, **PR_STAGES)
     rows = run(tmp_path / "store", tmp_path / "cache", revisions=NAMES[:2], protocol="paper", monitor_config=MonitorConfig(stages=stages))
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["pr_dtype"] == "float16"

@@ -115,10 +115,10 @@ def test_records_name_the_commit_the_weights_versions_and_device(hub, weights, t
 
 def as_process(monkeypatch, pid: int) -> None:
     """Replay as if from another process (each CLI run is one): its records go to records.HOST.PID.jsonl."""
-    import sinkwatch.replay.run as run_module
+    import sinkwatch.replay.measure as measure_module
 
-    detect = run_module.detect_worker
-    monkeypatch.setattr(run_module, "detect_worker", lambda: dataclasses.replace(detect(), pid=pid))
+    detect = measure_module.detect_worker
+    monkeypatch.setattr(measure_module, "detect_worker", lambda: dataclasses.replace(detect(), pid=pid))
 
 
 def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_says_so(hub, weights, tmp_path, monkeypatch):

@@ -23,7 +23,10 @@ One module per idea:
 - ``fetch``: download by commit, prefetch, retries, eviction;
 - ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);
 - ``ablation``: the paper's group ablation at one revision (``DIR/ablation.json``);
-- ``run``: the loop (``replay``, ``replay_plan``);
+- ``prepare``: what one replay measures, resolved once (revisions, protocol, probe sets, replay key, manifest);
+- ``measure``: one revision placed, fetched, probed, written and evicted (and the ablation, once);
+- ``devices``: a worker's device, the out-of-memory retry, peak memory, memory given back;
+- ``run``: the claim mode's loop (``replay``, ``replay_plan``);
 - ``unit``: the engines' side: ``write_manifest``, the per-revision unit ``replay_revision``, ``finalize``.
 """
 

@@ -26,8 +26,9 @@ from ..stages import StageTracker
 from .claims import ClaimConfig
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, write_atomic
+from .measure import Measurer
+from .prepare import prepare_replay
 from .revisions import Revision
-from .run import _Loop, _setup
 from .signals import Terminated, exit_terminated, terminate_cleanly
 from .store import ReplayStore, done_key, failed_revisions, merged_records
 
@@ -58,7 +59,7 @@ class _NoClaims:
         pass
 
 
-class _UnitLoop(_Loop):
+class _UnitLoop(Measurer):
     """The replay loop's parts (place, fetch, measure, write, evict) for one task: no claims, nothing read
     of the store but its own keys (finalize derives the stages in step order)."""
 
@@ -123,8 +124,8 @@ def write_manifest(model, *, out_dir, revisions=None, log_spaced=None, cache_dir
     commits, fingerprints of every listed revision, duplicate groups over the whole run, tasks. A
     revision already in an earlier manifest at the same commit is not asked about again."""
     setup, _, _, _ = _split(options, ("ablate", "ablation_revision", "progress", "wandb", "claims", "shard"), "write_manifest")
-    s = _setup(model, revisions=revisions, log_spaced=log_spaced, cache_dir=cache_dir, shard=None, skip_duplicates=skip_duplicates,
-               out_dir=out_dir, manifest="refresh", **setup)  # fmt: skip
+    s = prepare_replay(model, revisions=revisions, log_spaced=log_spaced, cache_dir=cache_dir, shard=None, skip_duplicates=skip_duplicates,
+                       out_dir=out_dir, manifest="refresh", **setup)  # fmt: skip
     ReplayStore(out_dir).check(s.key)  # a store of another measurement is refused before any task starts
     return s.manifest
 
@@ -142,7 +143,9 @@ def replay_revision(model, revision, *, out_dir: str | os.PathLike, **options) -
     failed row, then raises ``RevisionFailed``."""
     setup, loop_opts, fetch, cache_dir = _split(options, _IGNORED, "replay_revision")
     name = _name(revision)
-    s = _setup(model, revisions=[name], log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup)
+    s = prepare_replay(
+        model, revisions=[name], log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
+    )
     m: Manifest = s.manifest
     task = m.task_of(name)
     revs = {r.name: r for r in s.revisions}
@@ -187,7 +190,9 @@ def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[int]:
     """Indices of the manifest's tasks with a revision not done (failed, killed by a time limit, never run):
     what to resubmit (``sbatch --array=...``)."""
     setup, _, _, cache_dir = _split(options, ("claims", "shard", "skip_duplicates", "ablate", "ablation_revision"), "failed_tasks")
-    s = _setup(model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup)
+    s = prepare_replay(
+        model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
+    )
     store = ReplayStore(out_dir)
     revs = {r.name: r for r in s.revisions}
     return [i for i, task in enumerate(s.manifest.tasks()) if not all(store.is_done(done_key(s.key, n, revs[n].commit)) for n in task)]
@@ -201,7 +206,9 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     from .ablation import ablation_key, check_ablation, read_ablation
 
     setup, loop_opts, fetch, cache_dir = _split(options, ("claims", "shard", "skip_duplicates"), "finalize")
-    s = _setup(model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup)
+    s = prepare_replay(
+        model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
+    )
     store = ReplayStore(out_dir)
     errors = failed_revisions(out_dir)
     done, failed, missing = [], {}, []
