@@ -88,22 +88,22 @@ def test_records_equal_live_probes_of_the_same_weights(cache, trajectory_run, tm
 
 def test_an_exception_mid_revision_leaves_no_partial_record(cache, tmp_path, monkeypatch):
     """A failure mid-revision records the revision as failed and writes nothing partial."""
-    original = sinkwatch.monitor.Monitor._run
+    original = sinkwatch.monitor.Monitor._forward
     calls = {"n": 0}
 
-    def failing_run(self, target, probe, *, with_sinks):
+    def failing_forward(self, target, probe, *, with_sinks, share=None):
         calls["n"] += 1
         if calls["n"] == 6:  # revision 3, after its first probe set was computed
             raise RuntimeError("injected failure mid-revision")
-        return original(self, target, probe, with_sinks=with_sinks)
+        return original(self, target, probe, with_sinks=with_sinks, share=share)
 
-    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_run", failing_run)
+    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_forward", failing_forward)
     with pytest.warns(RuntimeWarning, match="injected failure"):
         rows = run(cache, tmp_path)
     assert [r["status"] for r in rows] == ["ok", "ok", "failed", "ok", "ok", "ok"]
     ok = [r for r in store_rows(tmp_path) if r.get("status") == "ok"]
     assert "step300" not in {r["revision"] for r in ok}  # nothing half-written for the failed revision
-    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_run", original)
+    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_forward", original)
     # a crash while appending leaves a torn last line: it is ignored and that revision is redone
     with open(record_files(tmp_path)[0], "a") as f:
         f.write('{"model": "x", "revision": "step13')

@@ -489,15 +489,15 @@ def test_an_out_of_memory_probe_is_retried_at_half_batch_tokens(online, tmp_path
     """Issue 19 (item 2): an out-of-memory probe failed its revision; it is retried once at half batch_tokens.
     The fault is injected at the probe's forward (a CUDA OOM cannot happen on this CPU; gpu_check.sh has the real one)."""
     plain = run(tmp_path / "plain", tmp_path / "cache", revisions=["step0"], batch_tokens=512)[0]
-    original = sinkwatch.monitor.Monitor._run
+    original = sinkwatch.monitor.Monitor._forward
     limit = {"tokens": 256}
 
-    def oom_above(self, target, probe, *, with_sinks):
+    def oom_above(self, target, probe, *, with_sinks, share=None):
         if self.config.batch_tokens > limit["tokens"]:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected above batch_tokens={limit['tokens']})")
-        return original(self, target, probe, with_sinks=with_sinks)
+        return original(self, target, probe, with_sinks=with_sinks, share=share)
 
-    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_run", oom_above)
+    monkeypatch.setattr(sinkwatch.monitor.Monitor, "_forward", oom_above)
     with pytest.warns(RuntimeWarning, match="out of memory at batch_tokens=512; retrying at 256"):
         retried = run(tmp_path / "oom", tmp_path / "cache", revisions=["step0"], batch_tokens=512)[0]
     assert retried["status"] == "ok" and retried["oom_batch_tokens"] == 256
