@@ -256,7 +256,6 @@ class Monitor:
                 out = forward(ids, token_losses=token_losses)  # last-position logits (+ every position's loss)
                 for run in runs if real else padding:
                     run.observe(batch, ids, out)
-            collector.parts = own_parts
         # blocks that ran softmax attention; the others (Mamba, linear attention) are NaN rows in
         # every attention-derived array, and counts and fractions are over these blocks' heads only
         return runs, collector.softmax_layers, padding
@@ -266,15 +265,14 @@ class Monitor:
         combined by one all-reduce (``probe_share.combine``)."""
         if share is None:
             return [[run.state() for run in runs] for runs, *_ in forwarded]
-        flat, shape = [], []
+        flat = []
         for runs, _, padding in forwarded:
             n = runs[0].probe.n
             start, stop = share.bounds(n)
-            source = runs if stop > start else padding
+            source = runs if stop > start else padding  # padding: the same runs, built alike
             flat.extend((run.state(), run.SUMS, n, (start, stop), stop > start) for run in source)
-            shape.append(len(source))
         combined = iter(combine(flat, share))
-        return [[next(combined) for _ in range(k)] for k in shape]
+        return [[next(combined) for _ in runs] for runs, *_ in forwarded]
 
     # ---- group ablation ----
     def ablate(
