@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 pytest.importorskip("litgpt")
 
-from torchrun import torchrun  # noqa: E402
+from torchrun import run_logged, torchrun  # noqa: E402
 
 from sinkwatch.live import LiveConfig, natural_windows  # noqa: E402
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
@@ -43,16 +41,8 @@ def launch(tmp_path_factory):
     }  # fmt: skip
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)  # DETAIL's checker crashes torch 2.13's DDP constructor on CPU (see test_parallel_matrix)
     env.pop("SINKWATCH_FABRIC", None)
-    with open(out / "launch.log", "w") as log:
-        proc = subprocess.Popen(
-            torchrun(HERE / "fabric_cells.py", str(out), *CELLS), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    return out, rc, (out / "launch.log").read_text()
+    rc, log = run_logged(torchrun(HERE / "fabric_cells.py", str(out), *CELLS), out, env, LAUNCH_TIMEOUT_S)
+    return out, rc, log
 
 
 def cell_dir(launch, cell: str) -> Path:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from torchrun import torchrun
+from torchrun import run_logged, torchrun
 
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -38,15 +36,8 @@ def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("split")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     env.pop("SINKWATCH_TEST_FAULT", None)
-    with open(out / "launch.log", "w") as log:
-        proc = subprocess.Popen(torchrun(HERE / "probe_split.py", str(out), nproc=W), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    return out, rc, (out / "launch.log").read_text()
+    rc, log = run_logged(torchrun(HERE / "probe_split.py", str(out), nproc=W), out, env, LAUNCH_TIMEOUT_S)
+    return out, rc, log
 
 
 def case(launch, name: str) -> tuple[Path, list[dict]]:

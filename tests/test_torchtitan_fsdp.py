@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from torchrun import torchrun  # noqa: E402
+from torchrun import run_logged, torchrun  # noqa: E402
 
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 
@@ -44,17 +42,8 @@ def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("torchtitan-cells")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)
-    with open(out / "launch.log", "w") as log:
-        proc = subprocess.Popen(
-            torchrun(HERE / "torchtitan_cells.py", str(out), *CELLS), stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-    return out, rc, (out / "launch.log").read_text()
+    rc, log = run_logged(torchrun(HERE / "torchtitan_cells.py", str(out), *CELLS), out, env, LAUNCH_TIMEOUT_S)
+    return out, rc, log
 
 
 @pytest.fixture
