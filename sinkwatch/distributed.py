@@ -559,6 +559,12 @@ class _HeldFaults:
     def on_block_output(self, layer, hidden):
         self._call("on_block_output", layer, hidden)
 
+    def on_block_input(self, layer, hidden):
+        self._call("on_block_input", layer, hidden)
+
+    def on_sublayer_output(self, layer, kind, output):
+        self._call("on_sublayer_output", layer, kind, output)
+
 
 class _GuardedTarget(ProbeTarget):
     """A target whose probe forwards run only on the group's unanimous go, with statistics faults held."""

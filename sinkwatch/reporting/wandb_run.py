@@ -6,8 +6,10 @@ Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
     step, tokens                                   the axes (define_metric)
     sink_rate, sink_center, sink_positions, circuit_layer, bos_fraction_raw, bos_fraction_bestclass,
     n_induction_ge30, n_induction_ge50, n_sink_heads, induction_score_max, icl_score,
-    induction_target_top1, p0_stage, induction_state (stage indices), probe_seconds
-    sink_profile/k{k}, sink_rate_per_layer/L{l}, p0_norm_ratio/L{l}, p0_direction_consistency/L{l}
+    induction_target_top1, p0_stage, induction_state (stage indices), probe_seconds,
+    rho_max, p0_emergence_block, p0_persistence, p0_concentration
+    sink_profile/k{k}, sink_rate_per_layer/L{l}, p0_norm_ratio/L{l}, p0_direction_consistency/L{l},
+    p0_direction_consistency_centered/L{l}, p0_attn_norm_ratio/L{l}, p0_mlp_norm_ratio/L{l}
     by_tokens/<headline>                           the headline scalars again, on the tokens axis
     heatmap/sink_alpha, heatmap/induction_selectivity, heatmap/induction_score   (images)
     head_classes                                   (table), events (alerts: run.alert)
@@ -42,6 +44,7 @@ HEADLINE = (
     "p0_stage",
     "induction_state",
     "circuit_layer",
+    "p0_concentration",
 )
 
 
@@ -64,6 +67,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         "n_induction_ge50",
         "icl_score",
         "probe_seconds",
+        "rho_max",
+        "p0_emergence_block",
+        "p0_persistence",
+        "p0_concentration",
     ):
         put(key, record.get(key))
     put("n_sink_heads", n_sink_heads(record))  # over softmax blocks (hybrid stacks: the others are null)
@@ -73,7 +80,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         put("induction_target_top1", record["induction_target"].get("top1"))
     for k, v in enumerate(record.get("sink_profile") or []):
         put(f"sink_profile/k{k}", v)
-    for name in ("sink_rate_per_layer", "p0_norm_ratio", "p0_direction_consistency"):
+    per_layer = ("sink_rate_per_layer", "p0_norm_ratio", "p0_direction_consistency", "p0_direction_consistency_centered")
+    for name in (*per_layer, "p0_attn_norm_ratio", "p0_mlp_norm_ratio"):
         for l, v in enumerate(record.get(name) or []):
             put(f"{name}/L{l}", v)
     if record.get("p0_stage") in P0_STAGES:
