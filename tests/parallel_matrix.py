@@ -656,7 +656,8 @@ def single_process_record(model, first: dict, tmp: Path, *, compute_dtype=None) 
 
 # differ by design: where and when it ran, the tracker's history ("model" must match: capture names a
 # model by its own class, never the "FSDP<class>" subclass fully_shard swaps in)
-TRACKED = {"step", "tokens", "probe_seconds", "p0_stage", "induction_state", "tracker_since_step", "stages_visited", "versions"}  # the run's history, not this probe's
+# the run's history and provenance, not this probe's measurement
+TRACKED = {"step", "tokens", "probe_seconds", "p0_stage", "induction_state", "tracker_since_step", "stages_visited", "versions"}
 
 
 def assert_records_equal(got: dict, want: dict, *, rtol: float = RTOL, atol: float = ATOL) -> None:
