@@ -2,7 +2,8 @@
 munged, started once per session in a private directory, stopped by PID), submitit's SlurmExecutor on it,
 and a local Ray cluster — each running the docs' commands against the stand-in hub through huggingface_hub.
 
-Under CI=true an engine that is missing fails these tests instead of skipping them (.ci/run installs them).
+Under CI=true an engine that is missing fails these tests instead of skipping them (scripts/test.sh --system
+installs them).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ STORE = "/shared/runs/pythia-1b"
 
 
 def missing(reason: str):
-    """An engine this machine lacks: a skip here, a failure under CI (where .ci/run installs every engine)."""
+    """An engine this machine lacks: a skip here, a failure under CI (where scripts/test.sh installs every engine)."""
     if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}: .ci/run installs every engine, none may be skipped")
+        pytest.fail(f"CI=true and {reason}: scripts/test.sh --system installs every engine, none may be skipped")
     pytest.skip(reason)
 
 
