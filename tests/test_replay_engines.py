@@ -224,7 +224,6 @@ def test_slurm_runs_the_docs_lines_and_converges_after_a_sigkill_and_a_time_limi
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         return res.stdout.split()
 
-    faults.mkdir()
     with Watch(store, faults, on_hang=cut_limit(slurm)) as watch:
         out = bash(first, "$ARRAY $JOB")
         array, job, final = out[-2], out[-1], out[-3]  # sbatch (without --parsable) said: Submitted batch job FINAL
@@ -261,7 +260,6 @@ def test_submitit_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_l
     except ImportError:
         missing("submitit is not installed (pip install submitit; it is in the dev extra)")
     store, faults = tmp_path / "store", tmp_path / "faults"
-    faults.mkdir()
     for k, v in slurm.env(env(hub, recipes, faults)).items():
         if os.environ.get(k) != v:
             monkeypatch.setenv(k, v)

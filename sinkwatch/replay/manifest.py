@@ -423,5 +423,5 @@ def local_source(recipe, *, out_dir, tokens_per_step, lightning_module, live_sto
     """Every checkpoint of a local run, each hashed once per (path, size, mtime, inode) (``DIR/hashes.json``)."""
     path = Path(out_dir) / HASHES_FILE if out_dir is not None else None
     with hash_cache(path, write=write):
-        return revision_source(recipe, None, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store)
+        return revision_source(recipe, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store)
 

@@ -290,8 +290,11 @@ class Measurer:
         if isinstance(exc, KeyboardInterrupt):
             why = "KeyboardInterrupt: interrupted (Ctrl-C, or Ray's cancel of a task past its time limit)"
         for job in list(self.open.values()):
-            if job.active or every:
-                self.write_failed(job, why)
+            try:
+                if job.active or every:
+                    self.write_failed(job, why)
+            except OSError as err:  # a full disk fails the failed row too: the task stays unrecorded, as --failed-tasks says
+                warnings.warn(f"sinkwatch replay: no failed row for task {job.task.name} ({err})", RuntimeWarning, stacklevel=2)
             attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
             self.open.pop(job.task.name, None)
 
