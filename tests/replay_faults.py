@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import importlib.abc
 import importlib.util
 import os
@@ -70,7 +70,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if FAULTS:
     sys.meta_path.insert(0, _Finder())
-'''
+"""
 
 
 def env(folder: Path, base: dict | None = None) -> dict:

@@ -189,7 +189,7 @@ def slurm(tmp_path_factory):
 def bin_dir(tmp_path_factory):
     """``sinkwatch`` on PATH as this interpreter's module: the docs' lines run as written."""
     d = tmp_path_factory.mktemp("bin")
-    (d / "sinkwatch").write_text(f"#!/bin/sh\nexec {sys.executable} -m sinkwatch \"$@\"\n")
+    (d / "sinkwatch").write_text(f'#!/bin/sh\nexec {sys.executable} -m sinkwatch "$@"\n')
     (d / "sinkwatch").chmod(0o755)
     return d
 

@@ -89,7 +89,7 @@ def online(hub):
 def bin_dir(tmp_path_factory):
     """``sinkwatch`` on PATH as this interpreter's module: the docs' lines run as written."""
     d = tmp_path_factory.mktemp("bin")
-    (d / "sinkwatch").write_text(f"#!/bin/sh\nexec {sys.executable} -m sinkwatch \"$@\"\n")
+    (d / "sinkwatch").write_text(f'#!/bin/sh\nexec {sys.executable} -m sinkwatch "$@"\n')
     (d / "sinkwatch").chmod(0o755)
     return d
 
@@ -128,7 +128,7 @@ def test_every_engines_finalize_gets_a_gpu_and_a_time_limit():
     finals = [x for x in docs_block("**Slurm**", "bash").splitlines() if "--finalize" in x]
     assert finals and all("--gpus=1" in x and re.search(r"--time=\d+", x) and "afterany" in x for x in finals), finals
     submitit = docs_block("**submitit**", "python")
-    assert "executor.submit(finalize, MODEL, out_dir=OUT)" in submitit and "gpus_per_node=1, dependency=f\"afterany" in submitit
+    assert "executor.submit(finalize, MODEL, out_dir=OUT)" in submitit and 'gpus_per_node=1, dependency=f"afterany' in submitit
     ray = docs_block("**Ray**", "python")
     assert "ray.remote(num_gpus=1)(finalize)" in ray and "run_with_limit(final, [(MODEL,)], out_dir=OUT, limit_s=3600)" in ray
     for block in (submitit, ray):

@@ -424,4 +424,3 @@ def local_source(recipe, *, out_dir, tokens_per_step, lightning_module, live_sto
     path = Path(out_dir) / HASHES_FILE if out_dir is not None else None
     with hash_cache(path, write=write):
         return revision_source(recipe, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store)
-

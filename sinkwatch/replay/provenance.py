@@ -152,7 +152,12 @@ def weights_from_cache(model: str, commit: str, cache_dir: str | None) -> Weight
 
 
 def fingerprints(
-    model: str, revs: Sequence[Revision], *, cache_dir: str | None = None, offline: bool | None = None, errors: dict | None = None,
+    model: str,
+    revs: Sequence[Revision],
+    *,
+    cache_dir: str | None = None,
+    offline: bool | None = None,
+    errors: dict | None = None,
     policy=None,
 ) -> dict[str, Weights]:
     """name -> Weights for every revision whose weights can be read without downloading them: a local
