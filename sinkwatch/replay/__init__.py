@@ -15,7 +15,8 @@ One module per idea:
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
 - ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache);
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
-- ``store``: the replay key, the done key, the workers' files and merged reading;
+- ``store``: the replay key, the done key, the record files;
+- ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
 - ``workers``: who this worker is, whatever launched it;
 - ``manifest``: the plan: refs, commits, fingerprints, duplicate groups and named tasks, written once (``DIR/manifest.json``);
 - ``attempts``: one attempt at a task: its own download folder, and a marker saying it began;
@@ -45,6 +46,7 @@ from .ablation import (
 )
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, Task, array_range, read_manifest
+from .merged import duplicate_groups, merged_records
 from .plan import Plan, format_plan
 from .ray_limits import run_with_limit
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
@@ -67,11 +69,9 @@ from .store import (
     ReplayStore,
     StoreMismatchError,
     done_key,
-    duplicate_groups,
     failed_revisions,
     key_difference,
     key_of,
-    merged_records,
     parse_shard,
     record_files,
     replay_key,

@@ -25,10 +25,11 @@ from . import attempts
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, Task, array_range, write_atomic
 from .measure import Measurer
+from .merged import merged_records
 from .prepare import ReplaySetup, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
-from .store import ReplayStore, done_key, merged_records
+from .store import ReplayStore, done_key
 
 _SETUP = ("probes", "dtype", "tokens_per_step", "batch_tokens", "monitor_config", "protocol", "lightning_module", "live_store")
 _LOOP = ("device", "wandb", "progress", "max_memory")
