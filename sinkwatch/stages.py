@@ -433,7 +433,7 @@ class StageTracker:
         for timeline, now, evidence in (("p0", p0_now, p0_ev), ("induction", ind_now, ind_ev)):
             self._visit(timeline, now, here)
             event = self._advance(timeline, record, now, here, evidence)
-            if event is not None and event.key not in {e["key"] for e in self.fired}:
+            if event is not None:  # every declared change is an event: a stage re-entered after a regression alerts again
                 self.fired.append({"key": event.key, **event.to_dict()})
                 events.append(event)
         record["p0_stage"], record["induction_state"] = self.p0_stage, self.induction_state

@@ -237,7 +237,8 @@ records_strategy = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), st.f
 def test_tracker_is_a_schmitt_trigger(seq, patience, data):
     """Every declared change is backed by the probes: entered where the stage's rule was met and held
     by the next patience-1 probes; a declared stage is left (down, or to another end state) only
-    after `patience` probes in a row fail its hold rule; each transition fires once; resume is exact."""
+    after `patience` probes in a row fail its hold rule; every declared change fires one event (a
+    re-entry after a regression too, so the events and the records' stages never disagree); resume is exact."""
     cfg = StageConfig(patience=patience)
     tracker = StageTracker(cfg)
     records = [synthetic_record(10 * i, p, q, j) for i, (p, q, j) in enumerate(seq)]
@@ -258,14 +259,11 @@ def test_tracker_is_a_schmitt_trigger(seq, patience, data):
         assert t - start + 1 >= patience
         if rank(tl, e.stage) <= rank(tl, e.previous):  # leaving a stage: its hold rule failed `patience` times
             assert all(not holds(tl, records[i], e.previous, cfg) for i in range(t - patience + 1, t + 1))
-    for tl in ("p0", "induction"):  # the declared stage changes at the events, and at repeats of a fired transition
+    for tl in ("p0", "induction"):  # the declared stage changes exactly at the events, re-entries included
         seq_ = declared[tl]
         changes = [(i, f"{tl}:{seq_[i]}->{seq_[i + 1]}") for i in range(len(records)) if seq_[i + 1] != seq_[i]]
-        firsts = [(i, k) for j, (i, k) in enumerate(changes) if k not in {k2 for _, k2 in changes[:j]}]
-        assert firsts == [(t, e.key) for t, e in all_events if e.timeline == tl]
-    keys = [e.key for _, e in all_events]
-    assert len(keys) == len(set(keys)), "each transition fires once"
-    assert [f["key"] for f in tracker.fired] == keys
+        assert changes == [(t, e.key) for t, e in all_events if e.timeline == tl]
+    assert [(f["key"], f["step"]) for f in tracker.fired] == [(e.key, e.step) for _, e in all_events]
 
     # a tracker restored from its serialised state continues exactly as the original
     cut = data.draw(st.integers(0, len(records)))
@@ -303,14 +301,29 @@ def test_a_stage_seen_for_one_probe_is_kept_in_visited():
     assert seen["transitional"] == {"stage": "transitional", **once}
 
 
-def test_noise_around_a_threshold_never_flaps():
-    """Noise around a threshold never fires the same event twice."""
+def test_noise_inside_the_hold_band_never_flaps():
+    """Noise around an entry threshold that stays inside the stage's hold band declares the stage once
+    and never leaves it: one event per timeline in 200 probes."""
     tracker = StageTracker(StageConfig(patience=2))
     rng = np.random.RandomState(0)
-    for i in range(200):
-        tracker.update(synthetic_record(i, 1 if rng.rand() < 0.5 else 0, 2 if rng.rand() < 0.5 else 1, rng.uniform(-1, 1)))
-    keys = [f["key"] for f in tracker.fired]
-    assert len(keys) == len(set(keys)) <= 6
+    events = []
+    for i in range(200):  # sink rate 0.013-0.03 around the 0.02 floor; the best head 47.9-53x around 50x
+        events += tracker.update(synthetic_record(i, 1, 2, rng.uniform(-0.7, 1)))
+    assert sorted(e.key for e in events) == ["induction:absent->formed", "p0:none->early"]
+
+
+def test_a_stage_re_entered_after_a_regression_fires_again():
+    """forming, lost for good, then forming again: three events, and the records' stages agree with them
+    (the demo's seed 1 did this: an early blip at steps 500-800, induction for real from 1300)."""
+    tracker = StageTracker(StageConfig(patience=2))
+    levels = [0, 1, 1, 0, 0, 1, 1, 2, 2]
+    events = [(i, e) for i, lv in enumerate(levels) for e in tracker.update(synthetic_record(i, 0, lv, 0.0))]
+    assert [(i, e.key) for i, e in events] == [
+        (2, "induction:absent->forming"),
+        (4, "induction:forming->absent"),
+        (6, "induction:absent->forming"),
+        (8, "induction:forming->formed"),
+    ]
 
 
 @settings(max_examples=300, deadline=None)
