@@ -205,7 +205,7 @@ class CaptureSession:
 
     def _fused(self, module, delegate, query, key, value, scaling, window, softcap, sinks) -> AttentionOutput | None:
         """sinkwatch's own output and lse, or None where the model's attention computes the output."""
-        backend = output_backend(query.device)
+        backend = output_backend(query.device, query.dtype)
         if backend is None:
             return None
         fused = attention_output(query, key, value, scaling, window=window, softcap=softcap, sinks=sinks, backend=backend)

@@ -23,8 +23,9 @@ from .contract import AttentionOutput, AttentionStats, StatsProblem, validate, v
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 # Who computes a probe forward's attention output (``output_backend``), set by this variable:
-#   auto   sinkwatch's fused pass on CPU (one QK^T gives the output and the statistics); the model's
-#          own attention (flash/sdpa) on GPU, beside the Triton statistics kernel
+#   auto   sinkwatch's fused pass on CPU for float32/float64 (one QK^T gives the output and the
+#          statistics); the model's own attention (flash/sdpa) on GPU, beside the Triton statistics
+#          kernel, and for 16-bit inputs, whose rounding of P·V is part of the model's forward
 #   model  the model's own attention everywhere (the statistics then take a pass of their own)
 #   fused  sinkwatch's fused pass everywhere: the fused Triton kernel on CUDA (not yet measured on hardware)
 OUTPUT_ENV = "SINKWATCH_ATTENTION_OUTPUT"
@@ -163,17 +164,17 @@ def attention_output(
     return attention_output_torch(problem, v)
 
 
-def output_backend(device: torch.device | str) -> str | None:
-    """Who computes a probe forward's attention output on ``device`` (``OUTPUT_ENV``): "torch" or
-    "triton" (sinkwatch's fused pass, whose lse the statistics then read) or None (the model's own
-    attention, the statistics beside it)."""
+def output_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str | None:
+    """Who computes a probe forward's attention output for ``dtype`` inputs on ``device``
+    (``OUTPUT_ENV``): "torch" or "triton" (sinkwatch's fused pass, whose lse the statistics then
+    read) or None (the model's own attention, the statistics beside it)."""
     mode = os.environ.get(OUTPUT_ENV, "auto") or "auto"
     if mode not in OUTPUT_MODES:
         raise ValueError(f"{OUTPUT_ENV} must be one of {OUTPUT_MODES}, got {mode!r}")
     device = torch.device(device)
     if mode == "model":
         return None
-    if device.type == "cpu":
+    if device.type == "cpu" and (mode == "fused" or dtype in (torch.float32, torch.float64)):
         return "torch"
     if mode == "fused" and device.type == "cuda" and _triton_usable() and _fused_failure is None:
         return "triton"
@@ -386,7 +387,7 @@ def prepare_backend(
         attention_stats(q, k, scale, backend="triton")
         rows, cols = torch.tensor([[95, 40]], device=device), torch.tensor([[[0, 93], [39, -1]]], device=device)
         attention_stats(q, k, scale, rows=rows, cols=cols, n_first=0, backend="triton")
-    if output_backend(device) == "triton" and str(device) not in _checked_fused:
+    if output_backend(device, dtype) == "triton" and str(device) not in _checked_fused:
         q, k, v = _probe_inputs(device, dtype)
         attention_output(q, k, v, q.shape[-1] ** -0.5, backend="triton")
     if all_reduce is None:
