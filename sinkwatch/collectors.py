@@ -17,7 +17,7 @@ import torch
 
 from . import metrics
 from .capture.sublayers import SUBLAYER_KINDS
-from .kernels import attention_stats
+from .kernels import AttentionOutput, attention_stats
 
 
 def eager_half_rows(query, key, scaling, rows, cols, *, window=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +51,11 @@ def eager_half_rows(query, key, scaling, rows, cols, *, window=None, softcap=Non
 
 
 class Part:
-    """A statistic family; every hook is optional. ``batch`` is the current micro-batch's slice."""
+    """A statistic family; every hook is optional. ``batch`` is the current micro-batch's slice.
+    ``fused``: the pass that computed this call's attention output, when sinkwatch computed it
+    (its lse spares the statistics a pass over the keys: ``attention_stats(..., fused=...)``)."""
 
-    def on_attention(self, batch: slice, layer, query, key, scaling, window, softcap, sinks) -> None:
+    def on_attention(self, batch: slice, layer, query, key, scaling, window, softcap, sinks, fused: AttentionOutput | None = None) -> None:
         pass
 
     def on_attention_output(self, batch: slice, layer: int, output: torch.Tensor) -> torch.Tensor:
@@ -100,8 +102,11 @@ class SinkPart(Part):
         self.chunks = [[] for _ in range(self.n_layers)]
         self.learned = [[] for _ in range(self.n_layers)]
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
-        st = attention_stats(query, key, scaling, n_first=self.n_first, window=window, softcap=softcap, sinks=sinks, backend=self.backend)
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks, fused=None):
+        st = attention_stats(
+            query, key, scaling, n_first=self.n_first, window=window, softcap=softcap, sinks=sinks, backend=self.backend,
+            fused=fused, entropy=False,
+        )  # fmt: skip
         self.chunks[layer].append(metrics.sink_alpha(st.first).cpu().numpy())
         if sinks is not None:
             self.learned[layer].append(metrics.learned_sink_alpha(st.lse, sinks).cpu().numpy())
@@ -127,6 +132,7 @@ class RowColumnsPart(Part):
     cols: np.ndarray
     backend: str = "auto"
     eager_half: bool = False  # float16/bfloat16 models: round as eager half-precision attention does
+    with_entropy: bool = True  # False: the rows' entropy is not used (NaN): with a fused pass, no pass over their keys
     gathered: list = field(init=False)
     entropy: list = field(init=False)
 
@@ -134,7 +140,7 @@ class RowColumnsPart(Part):
         self.gathered = [[] for _ in range(self.n_layers)]
         self.entropy = [[] for _ in range(self.n_layers)]
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks, fused=None):
         rows = torch.as_tensor(self.rows[batch], device=query.device)
         cols = torch.as_tensor(self.cols[batch], device=query.device)
         # (eager half-precision rounding reproduces the paper's models, none of which has learned sinks)
@@ -144,8 +150,9 @@ class RowColumnsPart(Part):
             self.entropy[layer].append(ent.cpu().numpy())
             return
         st = attention_stats(
-            query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, sinks=sinks, backend=self.backend
-        )
+            query, key, scaling, rows=rows, cols=cols, n_first=0, window=window, softcap=softcap, sinks=sinks, backend=self.backend,
+            fused=fused, entropy=self.with_entropy,
+        )  # fmt: skip
         self.gathered[layer].append(st.gathered.cpu().numpy())
         self.entropy[layer].append(st.entropy.cpu().numpy())
 
@@ -228,7 +235,7 @@ class HeadCountPart(Part):
         self.n_heads: int | None = None
         self.softmax_layers: list[int] = []
 
-    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks):
+    def on_attention(self, batch, layer, query, key, scaling, window, softcap, sinks, fused=None):
         self.n_heads = int(query.shape[1])
         self.softmax_layers = sorted({*self.softmax_layers, layer})
 
@@ -313,15 +320,21 @@ class ProbeCollector:
         self.parts = parts
         self.batch = slice(0, 0)
         self._softmax: set[int] = set()
+        self._fused: tuple[int, AttentionOutput] | None = None  # this call's fused pass, until on_attention
 
     @property
     def softmax_layers(self) -> list[int]:
         return sorted(self._softmax)
 
+    def on_fused_attention(self, layer, fused):
+        self._fused = (layer, fused)
+
     def on_attention(self, layer, query, key, scaling, window, softcap, sinks=None):
         self._softmax.add(layer)
+        held, self._fused = self._fused, None  # held for this call only
+        fused = held[1] if held is not None and held[0] == layer else None
         for p in self.parts:
-            p.on_attention(self.batch, layer, query, key, scaling, window, softcap, sinks)
+            p.on_attention(self.batch, layer, query, key, scaling, window, softcap, sinks, fused=fused)
 
     def on_attention_output(self, layer, output):
         for p in self.parts:

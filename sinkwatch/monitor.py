@@ -21,6 +21,7 @@ from .capture import ProbeTarget, resolve_target, untouched
 from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
 from .kernels import BACKENDS, resolve_backend
+from .kernels.api import prepare_backend
 from .probe_memory import micro_batch_rows
 from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
@@ -122,6 +123,8 @@ class Monitor:
         combines what they kept, and every rank returns the Snapshot one process would have.
         """
         target = resolve_target(model)
+        # the Triton kernels checked before any forward: one backend for the whole probe, on every rank
+        prepare_backend(self.config.backend, target.device, _float_dtype(target.module), share.all_reduce if share else None)
         sets = self.probe_sets(target.vocab_size)
         for s in sets:
             if target.context is not None and s.seq_len > target.context:
@@ -473,7 +476,7 @@ class _RepeatedRun(_ProbeRun):
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
         rows, tcols = metrics.repeated_query_columns(probe.params["half_len"], probe.n)
-        self.rowcols = RowColumnsPart(n_layers, rows, tcols, config.backend)
+        self.rowcols = RowColumnsPart(n_layers, rows, tcols, config.backend, with_entropy=False)  # the copy rows' entropy is not reported
         self.parts = [self.rowcols]
         self.copy_first: list[np.ndarray] = []
         self.copy_second: list[np.ndarray] = []
@@ -572,6 +575,11 @@ def _p0_values(state: State, first_tokens: np.ndarray, config: MonitorConfig) ->
 def _anchor_view(values: dict) -> dict:
     """One anchor's numbers, as ``stages.p0_views`` reads them: its windows' sinks and circuit keys."""
     return {k: values.get(k) for k in (*_VIEW_SINK_KEYS, *P0_CIRCUIT_KEYS)}
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the module's first floating-point parameter (float32 without one)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _parse_head(h) -> tuple[int, int]:

@@ -19,6 +19,29 @@ TRITON_VS_TORCH_RTOL = 1e-4
 TRITON_VS_TORCH_ATOL_LONG = 5e-5  # bf16 inputs at S = 1000 .. 4096 (GPU): longer sums drift further
 
 
+# The output's tolerance, as a share of max |v| (a row of the output is a convex combination of v's
+# rows): float32 accumulation for float32 inputs; one rounding to the dtype for 16-bit outputs.
+OUTPUT_RTOL = {torch.float32: 2e-6, torch.float16: 2 * 2**-11, torch.bfloat16: 2 * 2**-8}
+
+
+def values(k: torch.Tensor, Dv: int, seed: int) -> torch.Tensor:
+    """v (B, Hkv, S, Dv) beside k, in the (B, S, H, D) layout models produce, transposed."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, S, _ = k.shape
+    return torch.randn(B, S, Hkv, Dv, generator=g).to(k.dtype).transpose(1, 2)
+
+
+def assert_output_close(got, ref, v: torch.Tensor):
+    """A fused pass's output and lse (``AttentionOutput``) within the named tolerances of the float64 reference's."""
+    assert got.output.dtype == v.dtype and got.lse.dtype == torch.float32
+    assert got.output.shape == ref.output.shape and got.lse.shape == ref.lse.shape
+    scale = float(v.abs().max()) if v.numel() else 1.0
+    err = float((got.output.double() - ref.output).abs().max()) if v.numel() else 0.0
+    assert err <= OUTPUT_RTOL[v.dtype] * scale, f"output off by {err:.3g} (max |v| {scale:.3g})"
+    lse_err = (got.lse.double() - ref.lse).abs()
+    assert bool((lse_err <= LSE_ATOL + 1e-5 * ref.lse.abs()).all()), f"lse off by {float(lse_err.max()):.3g}"
+
+
 def case_id(B: int, S: int, H: int, D: int, *extra) -> str:
     """Readable parametrize ids in the flash-linear-attention style: ``B1-S64-H2-D128-...``."""
     return "-".join([f"B{B}-S{S}-H{H}-D{D}", *(str(e).replace("torch.", "") for e in extra)])

@@ -8,13 +8,17 @@ from tiny_models import FAMILIES, VOCAB, build
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, RepeatedRandomProbe, UnsupportedModelError, find_transformers_model
 from sinkwatch.capture import HFTarget
 from sinkwatch.collectors import HeadOutputPart, P0Part, ProbeCollector, SinkPart
+from sinkwatch.kernels.api import OUTPUT_ENV
 from sinkwatch.probes import ProbeSet
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("previous", ["sdpa", "eager"])
-def test_outputs_unchanged_under_capture(family, previous):
-    """Logits under capture equal the plain forward's bit for bit, and the attention implementation is restored."""
+def test_outputs_unchanged_under_capture(family, previous, monkeypatch):
+    """With the model's own attention computing the output, logits under capture equal the plain
+    forward's bit for bit, and the attention implementation is restored. (sinkwatch's fused output,
+    the CPU default, is compared with the model's own in tests/test_fused_capture.py.)"""
+    monkeypatch.setenv(OUTPUT_ENV, "model")
     model = build(family, seed=2)
     model.set_attn_implementation(previous)
     ids = torch.randint(0, VOCAB, (3, 50), generator=torch.Generator().manual_seed(0))

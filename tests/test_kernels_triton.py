@@ -25,12 +25,15 @@ from kernel_cases import (  # noqa: E402
     TRITON_VS_TORCH_ATOL_LONG,
     TRITON_VS_TORCH_RTOL,
     assert_close_to_reference,
+    assert_output_close,
     case_id,
     make_inputs,
     sink_logits,
+    values,
 )
 
 from sinkwatch import attention_stats  # noqa: E402
+from sinkwatch.kernels import attention_output  # noqa: E402
 from sinkwatch.kernels.triton_aot import compiler_env  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -258,3 +261,36 @@ def test_gpu_launch_follows_the_tensors_device_not_the_current_one():
     assert all(t.device == torch.device("cuda:1") for t in tri)
     ref = attention_stats(q.cpu(), k.cpu(), 64**-0.5, backend="reference")
     assert_close_to_reference(tri, ref)
+
+
+# ---- the fused-output kernel (triton_fused.py): output and lse against the float64 reference ---------
+FUSED_CASES = [  # (S, D, Dv, groups, variant, dtype)
+    (1, 64, 64, 1, "plain", torch.float32),
+    (64, 64, 64, 2, "plain", torch.bfloat16),
+    (129, 128, 128, 4, "window_softcap", torch.float32),
+    (70, 40, 40, 2, "sinks", torch.float16),
+    (100, 64, 32, 1, "plain", torch.float32),
+]
+FUSED_IDS = [case_id(2, S, g, D, f"Dv{Dv}", variant, dtype) for S, D, Dv, g, variant, dtype in FUSED_CASES]
+
+
+@pytest.mark.parametrize("S, D, Dv, groups, variant, dtype", FUSED_CASES, ids=FUSED_IDS)
+def test_fused_kernel_matches_reference_and_torch(S, D, Dv, groups, variant, dtype):
+    """The fused kernel's output and lse equal the float64 reference (tests/test_kernels_fused.py's
+    tolerances) and the PyTorch path's fused pass; statistics read off its lse equal the reference."""
+    q, k = make_inputs(2, 2 * groups, 2, S, D, dtype=dtype, layout="bshd", seed=S + D, device=DEVICE)
+    v = values(k.cpu(), Dv, S).to(DEVICE)
+    kw = dict(window=max(1, S // 3), softcap=5.0) if variant == "window_softcap" else {}
+    if variant == "sinks":
+        kw["sinks"] = sink_logits(2 * groups, S, seed=S).float().to(DEVICE)
+    tri = attention_output(q, k, v, D**-0.5, backend="triton", **kw)
+    assert tri.backend == "triton"
+    ref = attention_output(q.cpu(), k.cpu(), v.cpu(), D**-0.5, backend="reference", **_on_cpu(kw))
+    assert_output_close(tri._replace(output=tri.output.cpu(), lse=tri.lse.cpu()), ref, v.cpu())
+    tor = attention_output(q, k, v, D**-0.5, backend="torch", **kw)
+    torch.testing.assert_close(tri.lse, tor.lse, atol=TRITON_VS_TORCH_ATOL, rtol=TRITON_VS_TORCH_RTOL)
+    rows = torch.tensor([[S - 1, 0], [S // 2, S - 1]], device=DEVICE)
+    cols = torch.tensor([[[0, S - 1]], [[S // 3, -1]]], device=DEVICE).expand(2, 2, 2).contiguous()
+    got = attention_stats(q, k, D**-0.5, rows=rows, cols=cols, n_first=3, fused=tri, backend="triton", **kw)
+    want = attention_stats(q.cpu(), k.cpu(), D**-0.5, rows=rows.cpu(), cols=cols.cpu(), n_first=3, backend="reference", **_on_cpu(kw))
+    assert_close_to_reference(got, want)

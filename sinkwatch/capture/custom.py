@@ -24,7 +24,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float 
 
     q (B, Hq, S, D), k and v (B, Hkv, S, D) (GQA allowed); returns (B, Hq, S, Dv). Call it once per
     block, in block order, in place of your SDPA call; during a sinkwatch probe it also hands q and
-    k to the statistics kernel.
+    k to the statistics kernel (on CPU one pass computes both the output and the statistics).
     """
     gqa = q.shape[1] != k.shape[1]
 
@@ -36,7 +36,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float 
     if session is None:
         return sdpa().transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    return session.attend(sdpa, None, q, k, scale, None, None).transpose(1, 2)
+    return session.attend(sdpa, None, q, k, scale, None, None, value=v).transpose(1, 2)  # causal SDPA: fusable
 
 
 class CustomTarget(ProbeTarget):

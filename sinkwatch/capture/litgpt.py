@@ -5,8 +5,8 @@ them to its own ``scaled_dot_product_attention(q, k, v, mask)`` method, all (B, 
 already repeated for GQA (``repeat_interleave`` over ``n_head // n_query_groups``: query head h reads
 key group h // (n_head // n_query_groups)). During a probe sinkwatch puts a wrapper in each attention
 module's instance dict (removed afterwards), which hands q and k, the key groups taken back out
-(``k[:, ::q_per_kv]``), to the statistics and then calls LitGPT's own method unchanged, so the
-attention output is the one LitGPT computes. The scale is LitGPT's:
+(``k[:, ::q_per_kv]``), to the statistics; the output is sinkwatch's fused pass where it computes
+one (on CPU by default, ``CaptureSession.attend``), else LitGPT's own method, called unchanged. The scale is LitGPT's:
 ``1 / sqrt(attention_scores_scalar or head_size) * mscale**2`` (mscale: YaRN's, else 1); soft-capping is
 ``attention_logit_softcapping`` (``thresh * tanh(s / thresh)``, as ``do_softcapping``); a sliding-window
 layer arrives as the ``mask`` argument (a float (1, 1, T, T) mask, 0 where visible), read back as a
@@ -158,7 +158,9 @@ def _captured_sdpa(attention: nn.Module):
         if k.shape[2] != T:
             raise UnsupportedModelError("LitGPT attention ran with a KV cache (keys longer than queries); sinkwatch probes full sequences")
         q_per_kv = q.shape[1] // config.n_query_groups
-        key = k[:, ::q_per_kv] if k.shape[1] == q.shape[1] and q_per_kv > 1 else k  # (B, n_query_groups, T, hs)
+        repeated = k.shape[1] == q.shape[1] and q_per_kv > 1
+        key = k[:, ::q_per_kv] if repeated else k  # (B, n_query_groups, T, hs)
+        value = v[:, ::q_per_kv] if repeated else v
         softcap = config.attention_logit_softcapping
         return session.attend(
             lambda: original(q, k, v, mask),  # (B, T, nh, hs)
@@ -166,10 +168,11 @@ def _captured_sdpa(attention: nn.Module):
             q,
             key,
             attention_scale(attention),
-            window_of(mask, T),
+            window_of(mask, T),  # a mask that is not exactly the (banded) causal one was refused here
             float(softcap) if softcap is not None else None,
             None,
             attention.proj,
+            value=value,  # causal, no dropout: sinkwatch's fused pass may compute the output
         )
 
     return sdpa

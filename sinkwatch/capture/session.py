@@ -9,11 +9,18 @@ several blocks (Zamba2) counts once per block it runs in. It fans every call out
 What a head writes (PR, SPEC §5) is read where the model hands it to its output projection, when
 the target names that module: gated attention (Qwen3-Next, OLMo-core) multiplies the attention
 output by a gate between the two, and the ratio of the two tensors is the gate itself.
+
+Where a target hands ``attend`` the values too, sinkwatch computes the attention output itself in
+the pass that gives the statistics (``kernels.attention_output``, on CPU by default; docs/kernels.md),
+so a probe forward runs one attention per block, not two. The first such call for each kind of
+attention module (dtype, device, window, soft-cap, sinks) in a process is compared with the model's
+own attention; a mismatch is warned about once and that kind keeps the model's attention.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +28,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..kernels import AttentionOutput, attention_output, output_backend
+from ..kernels.api import output_tolerance
 from .sublayers import find_sublayers, norm_children
 
 
@@ -39,6 +48,12 @@ class Collector(Protocol):
     ) -> None:
         """query (B, Hq, S, D) post-RoPE, key (B, Hkv, S, D) before repeat_kv, sinks (Hq,) learned
         sink logits or None. ``layer`` is the index of the block the call ran in."""
+
+    def on_fused_attention(self, layer: int, fused: AttentionOutput) -> None:
+        """Optional: called just before ``on_attention`` of the same call when sinkwatch computed the
+        attention output itself, in one pass over the keys (``kernels.attention_output``). Its lse
+        lets the statistics skip a pass of their own (``attention_stats(..., fused=...)``); a
+        collector without this method is as correct, its statistics make their own pass."""
 
     def on_attention_output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
         """output (B, S, Hq, Dv): the attention output. Return it (possibly ablated)."""
@@ -68,6 +83,9 @@ class UnsupportedModelError(TypeError):
 
 
 _ACTIVE: CaptureSession | None = None
+# (attention class, dtype, device type, window?, soft-cap?, sinks?) -> whether sinkwatch's fused
+# output matched the model's own attention on its first call in this process
+_FUSION_AGREES: dict[tuple, bool] = {}
 
 
 def active_session() -> CaptureSession | None:
@@ -160,10 +178,16 @@ class CaptureSession:
         softcap,
         sinks: torch.Tensor | None = None,
         output_projection: nn.Module | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Statistics from query/key (and learned sink logits), then ``delegate()`` -> (B, S, Hq, Dv),
         returned possibly ablated. ``output_projection``: the module the model hands the (gated)
-        head outputs to next, so that what each head writes is read there."""
+        head outputs to next, so that what each head writes is read there.
+
+        ``value`` (B, Hkv, S, Dv), not repeated: the target lets sinkwatch compute the output
+        itself — plain causal attention with exactly these scaling, window, soft-cap and sinks, no
+        dropout, no other mask — and ``delegate`` is then called only where sinkwatch does not
+        (``kernels.output_backend``: the model's own attention on GPU by default)."""
         if self._muted:
             return delegate()
         layer = self._block
@@ -178,13 +202,30 @@ class CaptureSession:
         self._called.add(layer)
         if module is not None:
             self._kinds.add(type(module))
+        fused = self._fused(module, delegate, query, key, value, float(scaling), window, softcap, sinks) if value is not None else None
+        hand = getattr(self.collector, "on_fused_attention", None)
+        if fused is not None and hand is not None:
+            hand(layer, fused)
         self.collector.on_attention(layer, query, key, float(scaling), window, softcap, sinks)
-        out = self.collector.on_attention_output(layer, delegate())
+        out = delegate() if fused is None else fused.output.transpose(1, 2).contiguous()  # (B, S, Hq, Dv) as delegates give it
+        del fused  # the lse and the (B, Hq, S, Dv) layout go now; the output lives on in the model
+        out = self.collector.on_attention_output(layer, out)
         if output_projection is None:
             self.collector.on_head_output(layer, out)
         else:
             self._read_at(output_projection, layer, out)
         return out
+
+    def _fused(self, module, delegate, query, key, value, scaling, window, softcap, sinks) -> AttentionOutput | None:
+        """sinkwatch's own output and lse, or None where the model's attention computes the output."""
+        backend = output_backend(query.device, query.dtype)
+        if backend is None:
+            return None
+        fused = attention_output(query, key, value, scaling, window=window, softcap=softcap, sinks=sinks, backend=backend)
+        kind = (type(module), query.dtype, query.device.type, window is not None, softcap is not None, sinks is not None)
+        if kind not in _FUSION_AGREES:
+            _FUSION_AGREES[kind] = _agrees(kind, fused.output.transpose(1, 2), delegate(), value)
+        return fused if _FUSION_AGREES[kind] else None
 
     def _read_at(self, projection: nn.Module, layer: int, out: torch.Tensor) -> None:
         key = id(projection)
@@ -291,6 +332,26 @@ class CaptureSession:
         for h in self._projections.values():
             h.remove()
         self._projections = {}
+
+
+def _agrees(kind: tuple, fused: torch.Tensor, own: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether sinkwatch's output (B, S, Hq, Dv) equals the model's own within ``output_tolerance``
+    of max |v|; warns when it does not (that kind of attention then keeps the model's own)."""
+    scale = float(value.abs().max()) if value.numel() else 1.0
+    same = fused.shape == own.shape
+    err = float((fused.double() - own.double()).abs().max()) if same and fused.numel() else 0.0 if same else float("inf")
+    tol = output_tolerance(value.dtype) * (scale or 1.0)
+    if err <= tol:
+        return True
+    name = getattr(kind[0], "__name__", "attention")
+    warnings.warn(
+        f"sinkwatch: its fused attention output differs from {name}'s own (max error {err:.3g}, shapes {tuple(fused.shape)} "
+        f"vs {tuple(own.shape)}, tolerance {tol:.3g}); probes of this attention keep the model's own output (one more "
+        "attention per block). Please report the model class.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+    return False
 
 
 @contextlib.contextmanager

@@ -3,10 +3,11 @@
 sinkwatch registers an attention implementation named ``sinkwatch`` (and ``sinkwatch_eager``)
 through ``AttentionInterface``. During a probe it sees every softmax layer's post-RoPE ``query``,
 un-repeated ``key`` and learned sink logits (``s_aux``: gpt-oss and other models with attention
-sinks), hands them to the session's ``Collector``, then delegates the real attention output to
-sdpa — or to the model's eager attention when the model was running eager or its class cannot run
-sdpa at all (gpt-oss: sinks; Gemma 2: soft-capping) — so outputs are those of the model's own
-softmax. Block hooks map each call to its decoder block (hybrid stacks: Mamba / linear-attention
+sinks) and hands them to the session's ``Collector``. The attention output comes from sinkwatch's
+fused pass where it can honour the call (``FUSABLE_KWARGS``; on CPU by default, see
+``CaptureSession.attend``), else from the model's own attention: sdpa, or the model's eager
+attention when the model was running eager or its class cannot run sdpa at all (gpt-oss: sinks;
+Gemma 2: soft-capping). Block hooks map each call to its decoder block (hybrid stacks: Mamba / linear-attention
 blocks see none) and give the residual stream; a pre-hook on the layer's output projection reads
 what each head writes after the gate of gated attention (Qwen3-Next). Outside a probe the
 registered functions just delegate, so they are harmless.
@@ -36,6 +37,12 @@ SUPPORTED_FAMILIES = (
 )  # fmt: skip
 # Where an attention module hands its (gated) head outputs on: its output projection's usual names.
 OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj", "wo", "w_out")
+# Keyword arguments of an attention call that sinkwatch's fused pass honours (the window, the
+# soft-cap and the sinks) or that leave plain causal attention unchanged. Any other one that is set
+# (a ``position_bias``, varlen ``cu_seq_lens_*``, ``is_causal=False``, ``output_attentions=True``...)
+# sends the call to the model's own attention, as do dropout, keys longer than the queries (a
+# cache) and a mask other than the causal (sliding-window) one.
+FUSABLE_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "position_ids", "use_cache", "output_router_logits", "cache_position"})
 
 
 def _sdpa_delegate(module, query, key, value, attention_mask, **kwargs):
@@ -70,10 +77,12 @@ def _make_impl(delegate: Callable) -> Callable:
             weights.append(w)
             return out
 
+        fusable = dropout == 0 and key.shape[2] == query.shape[2] and _plain_kwargs(kwargs) and _causal_mask(attention_mask, window)
         out = session.attend(
-            run, module, query, key, scaling, window, kwargs.get("softcap"), kwargs.get("s_aux"), output_projection(module)
-        )
-        return out, weights[0]
+            run, module, query, key, scaling, window, kwargs.get("softcap"), kwargs.get("s_aux"), output_projection(module),
+            value=value if fusable else None,
+        )  # fmt: skip
+        return out, (weights[0] if weights else None)
 
     sinkwatch_attention.__name__ = f"sinkwatch_attention_via_{delegate.__name__.strip('_')}"
     return sinkwatch_attention
@@ -130,6 +139,39 @@ def _check_no_padding(mask, seq_len: int, window: int | None) -> None:
         raise ValueError(
             "the probe batch is padded or carries a custom attention mask; sinkwatch probes use unpadded, fixed-length sequences"
         )
+
+
+def _plain_kwargs(kwargs: dict) -> bool:
+    """No keyword argument asks for more than causal attention with a window, soft-cap or sinks."""
+    for name, value in kwargs.items():
+        if name in FUSABLE_KWARGS or value is None or value is False:
+            continue
+        if name == "is_causal" and value is True:
+            continue
+        return False
+    return True
+
+
+def _causal_mask(mask, window: int | None, rows_per_check: int = 256) -> bool:
+    """Whether ``mask`` (None, or (B, 1, S, S) bool or additive) allows exactly the causal keys (within
+    ``window``): any other mask (a prefix-LM's, packed documents') keeps the model's own attention.
+    Compared ``rows_per_check`` rows at a time, so the check never builds an S x S mask of its own."""
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    S = mask.shape[-1]
+    keys = torch.arange(S, device=mask.device)
+    for r0 in range(0, S, rows_per_check):
+        block = mask[:, :, r0 : r0 + rows_per_check]  # (B, 1 or H, r, S)
+        allowed = block if block.dtype == torch.bool else block == 0
+        rows = keys[r0 : r0 + rows_per_check, None]
+        expected = keys[None, :] <= rows
+        if window is not None:
+            expected &= (rows - keys[None, :]) < window
+        if not torch.equal(allowed, expected.expand_as(allowed)):
+            return False
+    return True
 
 
 def find_transformers_model(obj) -> nn.Module:

@@ -18,6 +18,11 @@ Returns float32 tensors, never an S x S matrix:
     first    (B, Hq, Q, n_first)   probability on keys 0..n_first-1 (0 where key > query or key >= S)
     gathered (B, Hq, Q, G)         probability on cols (0 where col is -1 or col > query)
 The sink's own probability is exp(sinks[h] - lse).
+
+The fused pass (``attention_output``) takes the same arguments plus v (B, Hkv, S, Dv), also not
+repeated, and returns the attention output (B, Hq, S, Dv) in v's dtype with every row's lse
+(B, Hq, S) float32 (the sink included): the one pass over the keys a forward needs, from which
+``attention_stats(..., fused=...)`` reads ``first``, ``gathered`` and ``lse`` without another.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ class AttentionStats(NamedTuple):
     entropy: torch.Tensor  # (B, Hq, Q)
     first: torch.Tensor  # (B, Hq, Q, n_first)
     gathered: torch.Tensor  # (B, Hq, Q, G)
+
+
+class AttentionOutput(NamedTuple):
+    """What the fused pass returns; ``backend`` names the one that computed it ("torch", "triton",
+    "reference"), so statistics read off its lse can say which backend made them."""
+
+    output: torch.Tensor  # (B, Hq, S, Dv) in v's dtype
+    lse: torch.Tensor  # (B, Hq, S) float32, the learned sink included
+    backend: str
 
 
 class StatsProblem(NamedTuple):
@@ -128,6 +142,32 @@ def validate(q, k, scaling, rows=None, cols=None, n_first=8, window=None, softca
             raise ValueError(f"sinks must hold one logit per query head: shape ({Hq},); got {tuple(sinks.shape)}")
         sinks = sinks.detach().to(q.device)
     return StatsProblem(q, k, float(scaling), rows, cols, n_first, window, softcap, sinks)
+
+
+def validate_value(problem: StatsProblem, v) -> torch.Tensor:
+    """Check the fused pass's values against a validated problem: (B, Hkv, S, Dv), q's dtype and device."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor, got {type(v).__name__}")
+    B, _, Hkv, S, _, _, _ = problem.shape
+    if v.dim() != 4 or v.shape[:3] != (B, Hkv, S):
+        raise ValueError(f"v must be (B, Hkv, S, Dv) = ({B}, {Hkv}, {S}, Dv) like k (not repeated for GQA); got {tuple(v.shape)}")
+    if v.dtype != problem.q.dtype or v.device != problem.q.device:
+        raise ValueError(f"v ({v.dtype}, {v.device}) must have q's dtype and device ({problem.q.dtype}, {problem.q.device})")
+    if problem.rows is not None:
+        raise ValueError("the fused pass computes every row (the attention output needs them all): pass rows=None")
+    return v
+
+
+def fold_sinks_into_output(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learned sink joins every softmax row but carries no value: the keys keep r = exp(lse - lse')
+    of each row's mass, so the output scales by r and the lse widens to lse' = logaddexp(lse, s).
+    out (B, Hq, S, Dv), lse (B, Hq, S) float32 over the keys alone; returns both with the sink."""
+    if sinks is None:
+        return out, lse
+    s = sinks.to(device=lse.device, dtype=torch.float32)[None, :, None]  # (1, Hq, 1)
+    widened = torch.logaddexp(lse, s)
+    r = (lse - widened).exp()  # (B, Hq, S)
+    return (out.to(torch.promote_types(out.dtype, torch.float32)) * r[..., None]).to(out.dtype), widened
 
 
 def empty_outputs(problem: StatsProblem) -> AttentionStats:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .contract import AttentionStats, StatsProblem
+from .contract import AttentionOutput, AttentionStats, StatsProblem
 
 
-def attention_stats_reference(problem: StatsProblem) -> AttentionStats:
+def _logits(problem: StatsProblem) -> torch.Tensor:
+    """(B, Hq, S, S [+ 1]) float64 logits: scaled, soft-capped, masked, the sink column last."""
     q, k = problem.q.double(), problem.k.double()
     B, Hq, Hkv, S, D, Q, G = problem.shape
     k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, S, D)
@@ -30,6 +31,23 @@ def attention_stats_reference(problem: StatsProblem) -> AttentionStats:
     if problem.sinks is not None:  # the learned sink: one more column in every row, logit as given
         sink = problem.sinks.double().view(1, Hq, 1, 1).expand(B, Hq, S, 1)
         logits = torch.cat([logits, sink], dim=-1)  # (B, Hq, S, S + 1)
+    return logits
+
+
+def attention_output_reference(problem: StatsProblem, v: torch.Tensor) -> AttentionOutput:
+    """The attention output (B, Hq, S, Dv) and lse in float64, from the materialised softmax; the
+    sink's column carries no value."""
+    B, Hq, Hkv, S, D, Q, G = problem.shape
+    logits = _logits(problem)
+    probs = torch.softmax(logits, dim=-1)[..., :S]  # (B, Hq, S, S): the sink's share dropped after the softmax
+    out = probs @ v.double().repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, S, Dv)
+    return AttentionOutput(out, torch.logsumexp(logits, dim=-1), "reference")
+
+
+def attention_stats_reference(problem: StatsProblem) -> AttentionStats:
+    B, Hq, Hkv, S, D, Q, G = problem.shape
+    q = problem.q
+    logits = _logits(problem)
     lse = torch.logsumexp(logits, dim=-1)  # (B, Hq, S)
     probs = torch.softmax(logits, dim=-1)  # (B, Hq, S, S [+ 1])
     entropy = -torch.where(probs > 0, probs * probs.log(), torch.zeros_like(probs)).sum(-1)

@@ -16,11 +16,20 @@ import torch
 
 from .contract import AttentionStats, StatsProblem, empty_outputs, fold_sinks
 
-# Logits per block: 2^21 float32 numbers = 8 MiB, three such temporaries live at once.
-DEFAULT_BLOCK_ELEMENTS = 1 << 21
+# Logits per block follow a memory budget (``block_budget``): as many as q has elements, within
+# these bounds. Three block-sized float32 temporaries live at once.
+MIN_BLOCK_ELEMENTS = 1 << 16  # 256 KiB: below this the Python loop over blocks costs more than the arithmetic
+MAX_BLOCK_ELEMENTS = 1 << 21  # 8 MiB: larger blocks run no faster on a CPU (they leave its caches anyway)
 
 
-def _block_sizes(batch: int, heads: int, queries: int, keys: int, budget: int) -> tuple[int, int]:
+def block_budget(q: torch.Tensor) -> int:
+    """Logits per block for a pass over ``q``'s rows: q's own element count, clamped to
+    [MIN_BLOCK_ELEMENTS, MAX_BLOCK_ELEMENTS]. The pass's temporaries then stay within a few times an
+    activation the forward already holds, so a short probe does not pay a long one's workspace."""
+    return max(MIN_BLOCK_ELEMENTS, min(MAX_BLOCK_ELEMENTS, q.numel()))
+
+
+def block_sizes(batch: int, heads: int, queries: int, keys: int, budget: int) -> tuple[int, int]:
     """(seq_block, row_block): sequences and query rows per block, with
     seq_block * heads * row_block * keys <= budget (a block spans several sequences only whole)."""
     per_row = heads * keys
@@ -29,14 +38,14 @@ def _block_sizes(batch: int, heads: int, queries: int, keys: int, budget: int) -
     return seq_block, row_block
 
 
-def attention_stats_torch(problem: StatsProblem, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> AttentionStats:
+def attention_stats_torch(problem: StatsProblem, block_elements: int | None = None) -> AttentionStats:
     q, k = problem.q, problem.k
     B, Hq, Hkv, S, D, Q, G = problem.shape
     groups = Hq // Hkv
     out = empty_outputs(problem)
     positions = problem.query_positions()  # (B, Q)
     key_index = torch.arange(S, device=q.device)
-    seq_block, row_block = _block_sizes(B, Hq, Q, S, block_elements)
+    seq_block, row_block = block_sizes(B, Hq, Q, S, block_elements or block_budget(q))
 
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
         for b0 in range(0, B, seq_block):
