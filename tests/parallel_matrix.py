@@ -693,6 +693,9 @@ CELLS = {
 
 
 def main(out: str, names: list[str]) -> None:
+    from live_cells import CELLS as LIVE_CELLS
+
+    CELLS.update(LIVE_CELLS)
     torch.set_num_threads(1)
     faulthandler.enable()  # a crash in native code prints the Python stack too
     # SINKWATCH_MATRIX_BACKEND: benchmarks/gpu_check.sh runs OLMo-core's default "cpu:gloo,cuda:nccl" (a CPU-only torch cannot)

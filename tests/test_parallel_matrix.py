@@ -45,6 +45,7 @@ LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end i
                           "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp", "lightning_ddp_bf16", "hf_ddp_bf16"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
+    "step0": (2, True, ["hf_fsdp1_bf16_step0", "hf_shard_grad_op_step0", "hf_fsdp2_step0"]),
 }  # fmt: skip
 WHERE = {cell: name for name, (_, _, cells) in LAUNCHES.items() for cell in cells}
 SHARDED = {"lightning_fsdp2", "fsdp1_orig_params", "fsdp1_flat_params", "olmo_fsdp2", "olmo_hsdp", "faults_held"}  # every rank probes
@@ -379,3 +380,22 @@ def test_ddp_bf16_mixed_probes_each_ranks_share_in_bf16(matrix, cell, tmp_path):
     assert {r["probe_split"]["ranks"] for r in records} == {2}
     want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
     pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cell", ["hf_fsdp1_bf16_step0", "hf_shard_grad_op_step0", "hf_fsdp2_step0"])
+def test_the_hf_step0_probe_under_fsdp_leaves_training_bit_identical(matrix, cell, tmp_path):
+    """The HF callback's step-0 probe (once the first batch is read) at FSDP v1 bf16 parameter mixed
+    precision, SHARD_GRAD_OP and FSDP2: losses and final weights equal an unmonitored run's exactly.
+    Before, the probe ran after the first backward and before optimizer.step() and left parameters
+    unsharded: step 2 trained on pre-update weights (every weight differed from the second loss on)."""
+    d = cell_dir(matrix, cell)
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    same = json.loads((d / "identical.json").read_text())
+    assert same["losses"] == same["plain_losses"], same
+    assert all(same["weights_identical"].values()), [k for k, v in same["weights_identical"].items() if not v]
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16 if "bf16" in cell else None)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if "bf16" in cell else {}
+    pm.assert_records_equal(records[-1], want, **tol)
