@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe, make_natural_probe
-    from sinkwatch.live import natural_windows
+    from sinkwatch.probes import natural_windows
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     natural = make_natural_probe(windows, n=windows.shape[0], seq_len=64, source="first batch")
     monitor = Monitor([InductionProbe(n=100, seq_len=256), RepeatedRandomProbe(n=32, seq_len=128), natural])
     t0 = time.perf_counter()
-    monitor.probe(model, track=False)
+    monitor.probe(model)
     probe = time.perf_counter() - t0
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "step_s": step, "probe_s": probe, "every": args.every,
            "overhead": probe / (args.every * step)}  # fmt: skip

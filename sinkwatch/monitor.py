@@ -26,7 +26,7 @@ from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
 from .snapshot import Snapshot
-from .stages import StageConfig, StageTracker
+from .stages import StageConfig, classify_induction, classify_p0
 
 PROTOCOLS = ("sinkwatch", "paper")
 PAPER_PR_SEQUENCES = 500  # the paper's PR: the first 500 induction-probe sequences (its --n-examples 500)
@@ -82,7 +82,6 @@ class Monitor:
                 raise TypeError(f"probes must be probe recipes or ProbeSets, got {type(p).__name__}")
         order = {"natural": 0, "induction": 1, "repeated": 2}
         self.probes = sorted(probes, key=lambda p: order[p.kind])
-        self.tracker = StageTracker(self.config.stages)
         self._built: dict[int, list[ProbeSet]] = {}
 
     # ---- probe sets ----
@@ -107,15 +106,15 @@ class Monitor:
         tokens: int | None = None,
         revision: str | None = None,
         model_name: str | None = None,
-        track: bool = True,
         share: ProbeShare | None = None,
     ) -> Snapshot:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
         ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
-        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's
-        StageTracker consumes the record (``p0_stage``, ``induction_state``, declared events in
-        ``snapshot.events``).
+        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. The record's ``*_now`` keys
+        are the stage rules applied to this probe alone; a run's history (``p0_stage``,
+        ``induction_state``, events) is a ``StageTracker``'s, kept by whoever tracks a run (the live
+        monitor, replay).
 
         ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe_share``):
         every rank of the share must call ``probe`` together; each runs its sequences, one all-reduce
@@ -176,13 +175,8 @@ class Monitor:
             tokens=tokens,
         )
         record = snap.to_record()
-        if track:
-            snap.events = self.tracker.update(record)
-            keys = ("p0_stage", "induction_state", "p0_stage_now", "induction_state_now")
-        else:
-            (record["p0_stage_now"], _), (record["induction_state_now"], _) = self.tracker.classify(record)
-            keys = ("p0_stage_now", "induction_state_now")
-        snap.values.update({k: record[k] for k in keys})
+        snap.values["p0_stage_now"] = classify_p0(record, self.config.stages)[0]
+        snap.values["induction_state_now"] = classify_induction(record, self.config.stages)[0]
         return snap
 
     def _p0_anchor(self, natural: ProbeSet, fed: dict, twin: dict | None) -> dict:

@@ -528,7 +528,7 @@ def log_spaced_schedule(cell: Path) -> None:
     fully_shard(model)
     live = LiveMonitor(LiveConfig(**{**options(cell), "log_spaced": 5, "every_n_steps": None}))
     live.setup(model, is_global_zero=_rank() == 0, max_steps=10 if _rank() == 0 else 1000, world_size=dist.get_world_size())
-    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live._log_steps)))
+    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live.schedule.log_steps)))
     live.finish()
 
 

@@ -20,7 +20,8 @@ pytest.importorskip("litgpt")
 
 from torchrun import run_logged, torchrun  # noqa: E402
 
-from sinkwatch.live import LiveConfig, natural_windows  # noqa: E402
+from sinkwatch.live import LiveConfig  # noqa: E402
+from sinkwatch.probes import natural_windows  # noqa: E402
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 
 HERE = Path(__file__).parent

@@ -29,7 +29,8 @@ import pytest
 import torch
 from torchrun import torchrun
 
-from sinkwatch.live import LiveConfig, log_spaced_steps, natural_windows
+from sinkwatch.live import LiveConfig, log_spaced_steps
+from sinkwatch.probes import natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 HERE = Path(__file__).parent
@@ -278,7 +279,7 @@ def test_zero3_is_refused_by_the_hf_callback(tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
 def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
-    """Ranks that probe together run through distributed._GuardedTarget, whose collector wrapper holds
+    """Ranks that probe together run through distributed.GroupForwards, whose collector wrapper holds
     statistics faults: it must hand on every hook of capture's Collector (learned sinks, gates, the
     gated head output), so a sharded gpt-oss or Qwen3-Next record equals the plain probe's."""
     import families
@@ -286,12 +287,12 @@ def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
 
     from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
     from sinkwatch.capture import resolve_target
-    from sinkwatch.distributed import ProbeGroup, _GuardedTarget
+    from sinkwatch.distributed import GroupForwards, ProbeGroup
 
     model = families.build(family)
     probes = [InductionProbe(n=6, seq_len=64, vocab_range=(2, 250)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, 250))]
-    plain = Monitor(probes).probe(model, track=False).to_record()
-    guarded = Monitor(probes).probe(_GuardedTarget(resolve_target(model), ProbeGroup(1), step=0, token=1), track=False).to_record()
+    plain = Monitor(probes).probe(model).to_record()
+    guarded = Monitor(probes).probe(GroupForwards(resolve_target(model), ProbeGroup(1), step=0, token=1)).to_record()
     keys = ["sink_alpha", "pr", "induction_score", "sink_learned_alpha" if family == "gpt_oss" else "attn_gate_mean"]
     for key in keys:
         assert key in plain, key
@@ -396,6 +397,7 @@ def test_the_hf_step0_probe_under_fsdp_leaves_training_bit_identical(matrix, cel
     assert all(same["weights_identical"].values()), [k for k, v in same["weights_identical"].items() if not v]
     records = read_jsonl(d / "sw" / "records.jsonl")
     assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
-    want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16 if "bf16" in cell else None)
+    dtype = torch.bfloat16 if "bf16" in cell else None
+    want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=dtype)
     tol = {"rtol": 1e-2, "atol": 1e-2} if "bf16" in cell else {}
     pm.assert_records_equal(records[-1], want, **tol)

@@ -8,8 +8,8 @@ from tiny_models import build
 
 from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
 from sinkwatch.capture import HFTarget
-from sinkwatch.distributed import ProbeNotReady, check_probe_memory
-from sinkwatch.probe_memory import estimate
+from sinkwatch.distributed import ProbeNotReady
+from sinkwatch.probe_memory import check_probe_memory, estimate
 
 MIB = 2**20
 
@@ -40,10 +40,10 @@ def test_the_allocators_unused_reserve_counts_as_available(allocator):
     model, tokens, rows = estimate(target, sets, 16384)
     need = model.need(tokens, rows)
     allocator.update(free=need // 4, reserved=need, allocated=need // 4)  # 3/4 of need cached but unused
-    check_probe_memory(target, sets, 16384, step=0)  # mem_get_info alone (need/4 free) would refuse
+    check_probe_memory(target, sets, 16384)  # mem_get_info alone (need/4 free) would refuse
     allocator.update(free=need // 4, reserved=need // 4, allocated=need // 4)
     with pytest.raises(ProbeNotReady, match="GiB available on cuda:0"):
-        check_probe_memory(target, sets, 16384, step=0)
+        check_probe_memory(target, sets, 16384)
 
 
 def test_a_refusal_names_a_batch_tokens_that_fits(allocator):
@@ -52,17 +52,17 @@ def test_a_refusal_names_a_batch_tokens_that_fits(allocator):
     model, tokens, rows = estimate(target, sets, 16384)
     allocator.update(free=model.need(tokens, rows) - model.per_token * tokens // 2)  # half the activations fit
     with pytest.raises(ProbeNotReady) as refused:
-        check_probe_memory(target, sets, 16384, step=0)
+        check_probe_memory(target, sets, 16384)
     suggested = int(str(refused.value).split("batch_tokens=")[1].split(")")[0])
     assert 256 <= suggested < 16384 and suggested % 256 == 0  # whole sequences of the longest probe
-    check_probe_memory(target, sets, suggested, step=0)  # the named value passes the same check
+    check_probe_memory(target, sets, suggested)  # the named value passes the same check
 
 
 def test_too_little_for_one_sequence_says_so(allocator):
     target = _OnCuda(build("llama", seed=1))
     allocator.update(free=MIB)
     with pytest.raises(ProbeNotReady, match="even one 256-token sequence"):
-        check_probe_memory(target, _sets(), 16384, step=0)
+        check_probe_memory(target, _sets(), 16384)
 
 
 def test_the_estimate_does_not_grow_with_the_vocabulary_beyond_the_last_logits():

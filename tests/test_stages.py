@@ -66,13 +66,13 @@ def test_planted_induction_circuit_is_formed_and_ablation_removes_copying():
 def test_planted_transition_fires_once_through_the_tracker():
     """none -> final, then final again: one event, after `patience` probes."""
     monitor = Monitor([InductionProbe(n=16, seq_len=128)])
+    tracker = StageTracker(monitor.config.stages)
     events = []
     for model in (planted.p0_none(), planted.p0_final(), planted.p0_final(), planted.p0_final()):
-        snap = monitor.probe(model)
-        events += snap.events
+        events += tracker.update(monitor.probe(model).to_record())
     p0 = [e for e in events if e.timeline == "p0"]
     assert [(e.previous, e.stage) for e in p0] == [("none", "final")]
-    assert monitor.tracker.p0_stage == "final"
+    assert tracker.p0_stage == "final"
 
 
 # ---- a real trajectory ---------------------------------------------------------------------------
