@@ -28,16 +28,14 @@ from .distributed import (
     describe,
     dtype_name,
     fault_point,
-    group_device,
     is_out_of_memory,
+    shared_max_steps,
 )
 from .live_config import LiveConfig
 from .monitor import Monitor, MonitorConfig
 from .probe_memory import check_probe_memory
-from .probes import ProbeSet, attention_mask_of, batch_windows, default_probes, input_ids_of, probe_of_windows
-from .reporting.base import MultiReporter, Reporter
-from .reporting.console import ConsoleReporter
-from .reporting.jsonl import JSONLReporter
+from .probes import ProbeSet, attention_mask_of, batch_windows, default_probes, input_ids_of, probe_of_windows, short_windows
+from .reporting import JSONLReporter, MultiReporter, Reporter, live_reporters
 from .stages import StageTracker
 
 __all__ = ["STATE_VERSION", "LiveConfig", "LiveMonitor", "Schedule", "log_spaced_steps"]
@@ -51,22 +49,6 @@ def log_spaced_steps(count: int, max_steps: int) -> set[int]:
     if max_steps < 1:
         return set()
     return {int(round(x)) for x in np.geomspace(1, max_steps, num=count)}
-
-
-def shared_max_steps(max_steps: int | None, device: torch.device) -> int | None:
-    """Rank 0's planned number of optimizer steps on every rank of the default process group (a
-    collective every rank runs at setup; alone: ``max_steps`` itself). Each rank's trainer estimates
-    the run from its own data (Lightning's ``estimated_stepping_batches``), and log-spaced steps
-    computed from unequal estimates would send one rank into a probe the others never start."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return max_steps
-    on = group_device(str(dist.get_backend()), device)
-    value = torch.tensor([max_steps if max_steps is not None else -1], dtype=torch.int64, device=on)
-    dist.broadcast(value, src=0)
-    steps = int(value.item())
-    return steps if steps > 0 else None
 
 
 class Schedule:
@@ -191,7 +173,7 @@ class LiveMonitor:
                 "log-spaced steps are probed (every_n_steps, the first and the last step still are). Set the trainer's max_steps.",
             )
         if self.rank.reports_here:
-            self.reporter = self._make_reporters(wandb_run)
+            self.reporter, self.jsonl, self.wandb_reporter = live_reporters(cfg, wandb_run=wandb_run, warn=self._warn)
         self._ready = True
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -202,27 +184,6 @@ class LiveMonitor:
         added after ``setup`` and before the first probe; a no-op on ranks that do not report."""
         if isinstance(self.reporter, MultiReporter):
             self.reporter.reporters.append(reporter)
-
-    def _make_reporters(self, wandb_run) -> Reporter:
-        cfg = self.config
-        # a store holds one run: unless a checkpoint's state resumes this one first, an earlier run's files move aside
-        self.jsonl = JSONLReporter(cfg.out_dir, new_run=True)
-        reporters: list[Reporter] = [self.jsonl]
-        if cfg.console:
-            reporters.append(ConsoleReporter())
-        if cfg.wandb != "disabled":
-            try:
-                from .reporting.wandb_run import wandb_reporter
-
-                self.wandb_reporter = wandb_reporter(
-                    cfg.wandb, trainer_run=wandb_run, project=cfg.wandb_project, dir=cfg.out_dir, heatmap_every=cfg.heatmap_every,
-                    init_kwargs=cfg.wandb_init,
-                )  # fmt: skip
-                reporters.append(self.wandb_reporter)
-            except ImportError:
-                self._warn("no-wandb", "sinkwatch: wandb is not installed (pip install wandb); logging to the local JSONL only")
-        reporters.extend(cfg.reporters)
-        return MultiReporter(reporters)
 
     def _build_monitor(self) -> Monitor:
         cfg = self.config
@@ -253,23 +214,11 @@ class LiveMonitor:
         elif ids is None:
             return  # alone, a batch without ids: the next one may have them
         if windows is not None:
-            self._warn_short_windows(windows)
+            short = short_windows(windows, cfg.natural_n, cfg.natural_seq_len)
+            if short:
+                self._warn("natural-short", short)
             bos = getattr(getattr(self.target.module, "config", None), "bos_token_id", None)
             self.natural = probe_of_windows(windows, bos_token_id=bos, requested=(cfg.natural_n, cfg.natural_seq_len))
-
-    def _warn_short_windows(self, windows: torch.Tensor) -> None:
-        """One warning when the first batch gives fewer or shorter windows than asked."""
-        cfg = self.config
-        m, T = windows.shape
-        if m < cfg.natural_n or T < cfg.natural_seq_len:
-            self._warn(
-                "natural-short",
-                f"sinkwatch: the first training batch gives {m} natural windows of {T} tokens where {cfg.natural_n} x "
-                f"{cfg.natural_seq_len} were asked; the natural probe is frozen from it (step 0 is probed before any later "
-                "batch arrives, and every record uses the same windows), so later, longer batches change nothing. Records say "
-                "natural_probe {n, seq_len}. Lower natural_n / natural_seq_len, make the first batch longer, or pass "
-                "probes=[..., make_natural_probe(tokens, n, seq_len)] built from your data.",
-            )
 
     def batch_end(self, batch) -> None:
         """After each training micro-batch: count its tokens (every data-parallel rank's batch,
@@ -430,14 +379,7 @@ class LiveMonitor:
         kind of fault, ``sinkwatch/probe_skipped`` to every reporter, training goes on (``raise_on_error``:
         every rank raises). A skip for lack of memory is retried (``Schedule``); a retry that fails again
         says nothing."""
-        local = describe(outcome.error)
-        if outcome.faults is None or self.group.size == 1:
-            msg = local or "the probe failed"
-        else:
-            named = [f"rank {r}: {m}" for r, (m, _) in enumerate(outcome.faults) if m is not None]
-            hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(outcome.faults))
-            differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
-            msg = f"{'; '.join(named) if named else differ} (every rank skipped this probe; no rank wrote it)"
+        msg = outcome.explain()
         if outcome.short:
             msg = f"{msg}; retried with a backoff (1, 2, 4, ... steps later) until one is written, the next scheduled probe at the latest"
         if self.config.raise_on_error:
@@ -446,7 +388,7 @@ class LiveMonitor:
             raise RuntimeError(f"sinkwatch: probe at step {step} failed: {msg}")
         if retrying:
             return  # the skip was reported at the scheduled step
-        kind = type(outcome.error).__name__ if local is not None else "peer"
+        kind = type(outcome.error).__name__ if describe(outcome.error) is not None else "peer"
         self._warn(f"probe:{kind}", f"sinkwatch: probe at step {step} failed ({msg}); training continues (raise_on_error=True to debug)")
         self.reporter.log_error(step, msg)
         self.reporter.log_skip(step, self.tokens_at(step), msg)

@@ -373,6 +373,20 @@ def batch_windows(
     return natural_windows(ids, T, n, attention_mask=attention_mask, pad_token_id=pad_id, bos_token_id=bos)
 
 
+def short_windows(windows: torch.Tensor, n: int, seq_len: int) -> str | None:
+    """The warning when a first batch gives fewer or shorter windows than asked (None: it does not)."""
+    m, T = windows.shape
+    if m >= n and T >= seq_len:
+        return None
+    return (
+        f"sinkwatch: the first training batch gives {m} natural windows of {T} tokens where {n} x {seq_len} were asked; the "
+        "natural probe is frozen from it (step 0 is probed before any later batch arrives, and every record uses the same "
+        "windows), so later, longer batches change nothing. Records say natural_probe {n, seq_len}. Lower natural_n / "
+        "natural_seq_len, make the first batch longer, or pass probes=[..., make_natural_probe(tokens, n, seq_len)] built "
+        "from your data."
+    )
+
+
 def probe_of_windows(windows: torch.Tensor, *, bos_token_id: int | None, requested: tuple[int, int]) -> ProbeSet:
     """The natural probe of frozen windows (m, T); its params say what was asked (``requested`` n and
     seq_len) beside what the windows hold, so a short first batch shows in every record."""

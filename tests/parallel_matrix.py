@@ -322,8 +322,8 @@ def hf_ddp_bf16(cell: Path) -> None:
 def hf_tp_plan(cell: Path) -> None:
     """A real ``from_pretrained(tp_plan="auto")`` model. The HF Trainer itself refuses it on CPU
     (accelerate's ParallelismConfig wants GPUs), so the callback's hooks run here in the Trainer's
-    order: ``on_train_begin``, a training forward (the hook that reads the first batch), and
-    ``on_pre_optimizer_step`` (the step-0 probe)."""
+    order: ``on_train_begin``, a training forward (the hook that reads the first batch and would probe
+    step 0), ``on_pre_optimizer_step``."""
     from transformers import LlamaForCausalLM, Trainer, TrainerControl, TrainerState, TrainingArguments
 
     from sinkwatch.hf import SinkWatchTrainerCallback

@@ -170,8 +170,8 @@ def test_resume_with_changed_probes_restored_by_transformers_starts_a_new_segmen
 
 
 def test_the_deferred_step0_probe_is_invisible_to_training(tmp_path):
-    """With the default probes the step-0 probe runs in on_pre_optimizer_step of the first step (gradients
-    accumulated over two micro-batches, not yet applied): losses and weights stay bit-identical."""
+    """With the default probes the step-0 probe runs in the first training forward's pre-hook (before any
+    backward; gradients then accumulate over two micro-batches): losses and weights stay bit-identical."""
 
     def run(sub, cbs):
         model = build("llama", seed=3)

@@ -350,6 +350,7 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
     assert [(r["step"], "error" in r) for r in records] == [(0, False), (4, True), (6, False), (8, True)], records
     assert "ProbeNotReady" in records[1]["error"] and "retried" in records[1]["error"]
+    assert records[2]["scheduled_step"] == 4 and "scheduled_step" not in records[0]  # the probe due at 4 ran at 6
     assert Skips.seen == [4, 8]
     with open(next((tmp_path / "csv").rglob("metrics.csv"))) as f:
         rows = [r for r in csv.DictReader(f) if r.get("sinkwatch/probe_skipped")]
@@ -357,6 +358,37 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     wb = cb.live.wandb_reporter
     assert [a["title"] for a in wb.alerts] == ["sinkwatch: a probe was skipped"]
     assert wb.final_summary.get("sinkwatch/probes_skipped") == 2
+
+
+def test_a_memory_skip_is_retried_with_a_backoff(tmp_path, monkeypatch):
+    """Memory short from step 16 to 25 with probes every 16 steps: retried at 17, 18, 20 and 24 (each retry
+    one all-reduce, nothing gathered), then the scheduled probe at 32 is written (before: a check, an
+    all-reduce and an all_gather_object at every one of steps 17 to 31)."""
+    from tiny_models import build
+
+    import sinkwatch.live
+    from sinkwatch.distributed import ProbeNotReady
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    checked = []
+
+    def memory(target, sets, batch_tokens, **layout):
+        checked.append(now["step"])
+        if 16 <= now["step"] <= 25:
+            raise ProbeNotReady("0.10 GiB available on cuda:0, the probe needs about 0.50 GiB")
+
+    monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
+    live = LiveMonitor(LiveConfig(every_n_steps=16, probes=small_probes(), **quiet(tmp_path)))
+    live.setup(build("llama"), is_global_zero=True)
+    now = {}
+    for step in range(33):
+        now["step"] = step
+        live.step_end(step)
+    assert checked == [0, 16, 17, 18, 20, 24, 32]
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [(r["step"], "error" in r) for r in records] == [(0, False), (16, True), (32, False)], records
+    assert "scheduled_step" not in records[-1]  # 32 was due anyway
 
 
 # ---- item 10 (first part): the probe runs in the trainer's compute dtype -----------------------------

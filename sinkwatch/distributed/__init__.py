@@ -6,25 +6,18 @@
   after a probe, the verdict on a fault, the combination of the shares);
 - ``forwards``: the probe forwards of ranks that probe together (one agreement before each, faults
   held to its end, equal forward counts);
+- ``protocol``: the codes an agreement carries and the exceptions of a probe that cannot go on;
 - ``testing``: test-only fault injection (``SINKWATCH_TEST_FAULT``).
 """
 
 from .agreement import (
-    COMBINE,
-    DONE,
-    FAIL,
-    FORWARD,
-    START,
     Outcome,
-    PeerFailed,
-    ProbeFaultEverywhere,
-    ProbeForwardBroken,
     ProbeGroup,
-    ProbeNotReady,
     config_token,
     describe,
     fault_signature,
     is_out_of_memory,
+    shared_max_steps,
 )
 from .forwards import GroupForwards
 from .layout import (
@@ -42,6 +35,7 @@ from .layout import (
     reshard,
     tensor_parallel_params,
 )
+from .protocol import COMBINE, DONE, FAIL, FORWARD, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
 from .testing import FAULT_ENV, FAULT_POINTS, InjectedFault, fault_point
 
 __all__ = [
@@ -76,6 +70,7 @@ __all__ = [
     "is_out_of_memory",
     "probe_compute_dtype",
     "rank_facts",
+    "shared_max_steps",
     "reshard",
     "tensor_parallel_params",
 ]

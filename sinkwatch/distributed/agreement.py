@@ -29,31 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .forwards import GroupForwards
 from .layout import RankFacts, group_device
+from .protocol import COMBINE, DONE, FAIL, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
 
-# The codes of one agreement: every rank must send the same one (FAIL never agrees).
-FAIL, DONE, FORWARD, START, COMBINE = 0, 1, 2, 3, 4
 FAULT_TIMEOUT_S = 60.0  # default wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
 _GROUPS = 0  # ProbeGroups of several ranks built in this process (their ids name their store keys)
-
-
-class PeerFailed(RuntimeError):
-    """Another rank could not go on with this probe; this rank stops it too (no message of its own)."""
-
-
-class ProbeForwardBroken(RuntimeError):
-    """A probe forward failed on this rank while the other ranks are inside that forward's
-    collectives: nothing can pair them again, so the run must stop."""
-
-
-class ProbeFaultEverywhere(RuntimeError):
-    """Every rank of the group raised the same fault at the same place of a probe forward (the
-    verdict on the c10d store): no collective was left unpaired, so the probe is skipped everywhere
-    and training goes on."""
-
-
-class ProbeNotReady(RuntimeError):
-    """This rank cannot start a probe (the pre-probe check: not memory enough)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +48,17 @@ class Outcome:
     error: BaseException | None = None
     faults: list | None = None
     short: bool = False
+
+    def explain(self) -> str:
+        """The error line of a failed probe: who failed and why (every rank's fault), or that the ranks'
+        labels (config hashes) differ when no rank failed on its own."""
+        local = describe(self.error)
+        if self.faults is None or len(self.faults) == 1:
+            return local or "the probe failed"
+        named = [f"rank {r}: {m}" for r, (m, _) in enumerate(self.faults) if m is not None]
+        hashes = ", ".join(f"rank {r}: {h}" for r, (_, h) in enumerate(self.faults))
+        differ = f"the ranks' probe sets or thresholds differ (config_hash {hashes}); give every rank the same options"
+        return f"{'; '.join(named) if named else differ} (every rank skipped this probe; no rank wrote it)"
 
 
 def config_token(config_hash: str | None) -> int:
@@ -100,6 +92,22 @@ def fault_signature(exc: BaseException, place: str = "") -> str:
         text = re.sub(r"\d+", "N", text)
         what = f"{type(exc).__name__}: {text}"
     return f"{what} @ {place}" if place else what
+
+
+def shared_max_steps(max_steps: int | None, device: torch.device) -> int | None:
+    """Rank 0's planned number of optimizer steps on every rank of the default process group (a
+    collective every rank runs at setup; alone: ``max_steps`` itself). Each rank's trainer estimates
+    the run from its own data (Lightning's ``estimated_stepping_batches``), and log-spaced steps
+    computed from unequal estimates would send one rank into a probe the others never start."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return max_steps
+    on = group_device(str(dist.get_backend()), device)
+    value = torch.tensor([max_steps if max_steps is not None else -1], dtype=torch.int64, device=on)
+    dist.broadcast(value, src=0)
+    steps = int(value.item())
+    return steps if steps > 0 else None
 
 
 class ProbeGroup:
@@ -162,8 +170,6 @@ class ProbeGroup:
         ok, short = self.agree(START if error is None else FAIL, token, flag=int(isinstance(error, ProbeNotReady)))
         value = None
         if ok:
-            from .forwards import GroupForwards
-
             try:
                 value = body(lambda target: target if self.size == 1 else GroupForwards(target, self, step, token), self.share(step, token))
             except ProbeForwardBroken:

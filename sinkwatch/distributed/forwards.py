@@ -26,7 +26,7 @@ import torch
 
 from ..capture import ProbeTarget
 from ..capture.head import GROUP_FORWARD, GroupForward
-from .agreement import FORWARD, PeerFailed, ProbeGroup
+from .protocol import FORWARD, PeerFailed
 from .testing import FAULT_ENV, fault_point
 
 _MISSING = object()
@@ -88,7 +88,7 @@ class GroupForwards(ProbeTarget):
     """``inner`` as the probe of ``step`` runs it in ``group``: each forward on the group's unanimous go,
     faults held to the end of the forward (see the module's docstring)."""
 
-    def __init__(self, inner: ProbeTarget, group: ProbeGroup, step: int | None, token: int):
+    def __init__(self, inner: ProbeTarget, group, step: int | None, token: int):
         self.inner, self.group, self.step, self.token = inner, group, step, token
         self.module, self.name = inner.module, inner.name
         self._forwards = 0
