@@ -181,8 +181,8 @@ class SinkWatchFabricCallback:
         optimizer, so it is looked up once, at the first training forward, among the live objects."""
         import gc
 
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.optim.Optimizer) and any(id(p) in self._params for g in obj.param_groups for p in g["params"]):
+        for obj in gc.get_objects():  # type(), not isinstance(): a weak proxy to a dead object raises on its __class__
+            if issubclass(type(obj), torch.optim.Optimizer) and any(id(p) in self._params for g in obj.param_groups for p in g["params"]):
                 return obj
         return None
 
