@@ -118,7 +118,8 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
         self._remove_hooks()
         # first in line: before FSDP2's own pre-forward all-gather (and FSDP's root forward), so a probe here runs on a model at rest
-        self._hook = model.register_forward_pre_hook(self._read_batch, with_kwargs=True, prepend=True)
+        # never traced: under the Trainer's torch_compile the model's hooks run inside the compiled module's call
+        self._hook = model.register_forward_pre_hook(torch.compiler.disable(self._read_batch), with_kwargs=True, prepend=True)
         self._state = state
         if getattr(args, "load_best_model_at_end", False):
             self._reload_hook = model.register_load_state_dict_pre_hook(self._before_reload)

@@ -10,9 +10,6 @@ It never lets a failure reach the training loop unless asked to.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import warnings
 
 import numpy as np
@@ -32,7 +29,7 @@ from .distributed import (
     shared_max_steps,
 )
 from .live_config import LiveConfig
-from .monitor import Monitor, MonitorConfig
+from .monitor import Monitor, has_non_finite
 from .probe_memory import check_probe_memory
 from .probes import ProbeSet, attention_mask_of, batch_windows, default_probes, input_ids_of, probe_of_windows, short_windows
 from .reporting import JSONLReporter, MultiReporter, Reporter, live_reporters
@@ -296,7 +293,7 @@ class LiveMonitor:
         try:
             sets = self._build_monitor().probe_sets(self.target.vocab_size)
             one = Monitor([s.subset(1) for s in sets], config=self.config.monitor)
-            label = config_hash(one.probe_hashes(self.target.vocab_size), one.config)
+            label = one.config_hash(self.target.vocab_size)
         except Exception:  # noqa: BLE001 - the first probe reports what cannot be built
             one = label = None
 
@@ -359,7 +356,7 @@ class LiveMonitor:
         if self.natural is not None:  # what the natural windows hold, beside what was asked (a short first batch)
             keys = ("n", "seq_len", "requested_n", "requested_seq_len")
             record["natural_probe"] = {k: self.natural.params[k] for k in keys if k in self.natural.params}
-        if _has_non_finite(outcome.value.values):
+        if has_non_finite(outcome.value.values):
             self._warn(
                 "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
             )
@@ -412,7 +409,7 @@ class LiveMonitor:
         self._probe_hashes = self.monitor.probe_hashes(self.target.vocab_size)
         # with the hashes, the parameters that rebuild each set: replay of the checkpoints probes the same sets
         self._probe_params = {s.kind: dict(s.params) for s in self.monitor.probe_sets(self.target.vocab_size)}
-        self.config_hash = config_hash(self._probe_hashes, self.monitor.config)
+        self.config_hash = self.monitor.config_hash(self.target.vocab_size)
         if self.jsonl is not None:  # the live store keeps them too, for checkpoints without a trainer state
             try:
                 self.jsonl.write_probes(live_probes(self.state_dict()))
@@ -484,32 +481,3 @@ def live_probes(state: dict) -> dict:
     natural windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
     keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
     return {**{k: state[k] for k in keys}, "probe_dtype": state.get("probe_dtype")}
-
-
-def config_hash(probe_hashes: dict, monitor_config: MonitorConfig) -> str:
-    """12 hex digits naming what makes records comparable: the probe sets' hashes, the stage
-    thresholds and the metric settings (K, epsilon)."""
-    payload = {
-        "probes": dict(sorted(probe_hashes.items())),
-        "stages": monitor_config.stages.to_dict(),
-        "n_first": monitor_config.n_first,
-        "sink_epsilon": monitor_config.sink_epsilon,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _has_non_finite(values: dict) -> bool:
-    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault.
-    # Blocks without softmax attention (hybrid stacks) are NaN rows of the attention arrays by design.
-    softmax = values.get("softmax_layers")
-    for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
-        v = values.get(key)
-        if v is None:
-            continue
-        v = np.asarray(v, dtype=float)
-        if key != "p0_norm_ratio" and softmax is not None:
-            v = v[list(softmax)]
-        if not np.all(np.isfinite(v)):
-            return True
-    v = values.get("sink_rate")
-    return v is not None and not math.isfinite(v)

@@ -6,6 +6,9 @@ computed live at step N equals the one replay computes on the checkpoint saved a
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import re
 import time
 import warnings
@@ -96,6 +99,17 @@ class Monitor:
 
     def probe_hashes(self, vocab_size: int) -> dict[str, str]:
         return {s.kind: s.hash for s in self.probe_sets(vocab_size)}
+
+    def config_hash(self, vocab_size: int) -> str:
+        """12 hex digits naming what makes records comparable: the probe sets' hashes, the stage
+        thresholds and the metric settings (K, epsilon)."""
+        payload = {
+            "probes": dict(sorted(self.probe_hashes(vocab_size).items())),
+            "stages": self.config.stages.to_dict(),
+            "n_first": self.config.n_first,
+            "sink_epsilon": self.config.sink_epsilon,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     # ---- probing ----
     def probe(
@@ -536,3 +550,21 @@ def _parse_head(h) -> tuple[int, int]:
         return int(m.group(1)), int(m.group(2))
     l, hh = h
     return int(l), int(hh)
+
+
+def has_non_finite(values: dict) -> bool:
+    """Whether a probe's attention statistics hold NaN or inf (NaN/inf activations): recorded as null."""
+    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault.
+    # Blocks without softmax attention (hybrid stacks) are NaN rows of the attention arrays by design.
+    softmax = values.get("softmax_layers")
+    for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
+        v = values.get(key)
+        if v is None:
+            continue
+        v = np.asarray(v, dtype=float)
+        if key != "p0_norm_ratio" and softmax is not None:
+            v = v[list(softmax)]
+        if not np.all(np.isfinite(v)):
+            return True
+    v = values.get("sink_rate")
+    return v is not None and not math.isfinite(v)

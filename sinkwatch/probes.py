@@ -158,7 +158,7 @@ def resolve_vocab_range(vocab_size: int, requested: Sequence[int] | None = None)
 
 
 # ---- builders ---------------------------------------------------------------------------------
-def make_induction_probe(n: int = 500, seq_len: int = 256, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 42) -> ProbeSet:
+def make_induction_probe(n: int, seq_len: int, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 42) -> ProbeSet:
     """The paper's induction batch (Xu 2026), drawn sequence by sequence from RandomState(seed).
 
     Per sequence, in this order: ``seq = randint(lo, hi, size=T)``; A, B distinct from
@@ -230,7 +230,7 @@ def baseline_positions(seq_len: int, count: int = 50, seed: int = 0) -> np.ndarr
 
 
 def make_repeated_random_probe(
-    n: int = 64, half_len: int = 64, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1
+    n: int, half_len: int, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1
 ) -> ProbeSet:
     """Random tokens R (n, L) followed by R again: ``RandomState(seed).randint(lo, hi, size=(n, L))``."""
     lo, hi = (int(x) for x in vocab_range)
@@ -244,7 +244,7 @@ def make_repeated_random_probe(
 
 
 def make_natural_probe(
-    tokens: torch.Tensor | np.ndarray | Sequence[int], n: int = 100, seq_len: int = 64, *, bos_token_id: int | None = None, source: str = ""
+    tokens: torch.Tensor | np.ndarray | Sequence[int], n: int, seq_len: int, *, bos_token_id: int | None = None, source: str = ""
 ) -> ProbeSet:
     """``n`` windows of ``seq_len`` tokens from the user's own data.
 

@@ -344,7 +344,7 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     import wandb
 
     from sinkwatch import findings
-    from sinkwatch.live import _has_non_finite
+    from sinkwatch.monitor import has_non_finite
     from sinkwatch.records import head_class_rows, n_sink_heads, softmax_heads
     from sinkwatch.report import build_report
     from sinkwatch.reporting.console import one_line, summary
@@ -358,7 +358,7 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     monitor = Monitor([InductionProbe(n=4, seq_len=T), RepeatedRandomProbe(n=2, seq_len=32), natural])
     jsonl = JSONLReporter(tmp_path / "store")
     snap = monitor.probe(model, step=0, tokens=0)
-    assert not _has_non_finite(snap.values)  # null rows are not NaN activations
+    assert not has_non_finite(snap.values)  # null rows are not NaN activations
     tracker = StageTracker(monitor.config.stages)
     first = snap.to_record()
     tracker.update(first)  # the tracker consumes the record

@@ -12,8 +12,11 @@ it faults, so that every collective in it (FSDP's all-gathers) is paired:
   (the largest count any rank needs; the others pad with throw-away forwards);
 
 then the held fault is raised after the forward, and this rank's next agreement says FAIL: the probe
-is skipped on every rank and training goes on. A fault outside all of these (FSDP's own hooks, the
-embedding, the head) goes to the verdict on the c10d store (``ProbeGroup.collective``).
+is skipped on every rank and training goes on. What the held fault makes fail later in the same
+forward (the capture's check that every block ran its attention, on the stand-in outputs) is its
+consequence, past the blocks' collectives: this rank's alone too. A fault outside all of these (FSDP's
+own hooks, the embedding, the head, a block before its output kind is known) goes to the verdict on
+the c10d store (``ProbeGroup.collective``).
 """
 
 from __future__ import annotations
