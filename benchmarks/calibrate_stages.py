@@ -42,21 +42,37 @@ def probe(model, tokenizer, text: Path, n: int, seq_len: int, bos: bool | None) 
 
 
 def row(group: str, model: str, text: str, record: dict) -> dict:
-    rho = np.asarray(record["p0_norm_ratio"], dtype=float)
-    c = np.asarray(record["p0_direction_consistency"], dtype=float)
-    out = {"group": group, "model": model, "text": text}
-    for l in range(min(4, rho.size)):
-        out[f"rho{l}"] = round(float(rho[l]), 2)
-        out[f"c{l}"] = None if np.isnan(c[l]) else round(float(c[l]), 3)
-    out["rho_max"] = round(float(np.nanmax(rho)), 1)
-    out["sink_rate"] = round(float(record["sink_rate"]), 3)
-    per_layer = record["sink_rate_per_layer"]
-    out["sink_L0_L1"] = [round(float(x), 2) for x in per_layer[:2]]
-    out["circuit_layer"] = record["circuit_layer"]
+    """One line of docs/stages.md's table: the anchor that decides, where its circuit amplifies, and the stage."""
+    views = record.get("p0_anchor_views") or {}
+    view = views.get(record.get("p0_anchor") or "bos", record)
+    rho = np.asarray(view["p0_norm_ratio"], dtype=float)
+    c = np.asarray([np.nan if x is None else x for x in view["p0_direction_consistency_centered"]], dtype=float)
+    out = {"group": group, "model": model, "text": text, "rho_emb": _r(view.get("p0_norm_ratio_embeddings"), 2)}
+    for l in range(min(3, rho.size)):
+        out[f"rho{l}"] = _r(rho[l], 2)
+    e = view.get("p0_emergence_block")
+    out["emergence"] = e
+    out["rho_e"] = None if e is None else _r(rho[e], 1)
+    out["c_centred_e"] = None if e is None else _r(c[e], 3)
+    out["c_centred_max_to_e"] = _r(np.nanmax(c[: (e or 0) + 1]) if np.isfinite(c[: (e or 0) + 1]).any() else None, 3)
+    for k in ("rho_max", "rho_max_block", "p0_persistence", "p0_concentration"):
+        out[k] = _r(view.get(k), 3)
+    attn, mlp = view.get("p0_attn_norm_ratio"), view.get("p0_mlp_norm_ratio")
+    out["attn_rho0_1"] = None if attn is None else [_r(x, 2) for x in attn[:2]]
+    out["mlp_rho0_1"] = None if mlp is None else [_r(x, 2) for x in mlp[:2]]
+    out["sink_rate"] = _r(view["sink_rate"], 3)
+    out["sink_1_over_0"] = _r(view["sink_profile"][1] / view["sink_profile"][0] if view["sink_profile"][0] else None, 3)
+    out["sink_L0_L1"] = [round(float(x), 2) for x in record["sink_rate_per_layer"][:2]]
+    out["circuit_layer"] = view["circuit_layer"]
+    out["circuit_layer_first"] = view.get("circuit_layer_first")
     out["p0_anchor"] = record.get("p0_anchor")
-    out["twin_circuit_layer"] = record.get("twin_circuit_layer")
+    out["by_anchor"] = record.get("p0_stage_by_anchor")
     out["p0_stage_now"] = record["p0_stage_now"]
     return out
+
+
+def _r(x, digits: int):
+    return None if x is None or not np.isfinite(x) else round(float(x), digits)
 
 
 def real_and_random(name: str, folder: str, n: int, seq_len: int, bos_modes) -> list[dict]:
@@ -82,7 +98,7 @@ def planted_rows() -> list[dict]:
 
     rows = []
     stream = torch.randint(2, planted.VOCAB, (4000,), generator=torch.Generator().manual_seed(3))
-    for stage in ("p0_none", "p0_early", "p0_transitional_position1", "p0_transitional_spread", "p0_final"):
+    for stage in ("p0_none", "p0_early", "p0_shifted_position1", "p0_transitional_spread", "p0_final", "p0_final_bos"):
         model = getattr(planted, stage)()
         for bos in (False, True):
             natural = NaturalProbe(tokens=stream, n=24, seq_len=32, bos_token_id=1 if bos else None)

@@ -95,7 +95,6 @@ def cmd_probe(args) -> int:
 
 def cmd_replay(args) -> int:
     from .replay import (
-        ClaimConfig,
         FetchConfig,
         Recipe,
         format_plan,
@@ -119,10 +118,11 @@ def cmd_replay(args) -> int:
     )
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
     out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
-    fetch = FetchConfig(retries=args.retries, prefetch=not args.no_prefetch, keep_cache=args.keep_cache)
+    fetch = FetchConfig(retries=args.retries, prefetch=not args.no_prefetch, keep_cache=args.keep_cache, cache_root=args.cache_root)
     common = dict(
         revisions=revisions,
         log_spaced=args.log_spaced,
+        all_revisions=args.all_revisions,
         out_dir=out,
         probes=probes,
         dtype=args.dtype,
@@ -140,22 +140,18 @@ def cmd_replay(args) -> int:
         live_store=args.live_store,
     )
     if args.plan:
-        plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops, **common)
+        plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops,
+                           rewrite_manifest=args.rewrite_manifest, **common)  # fmt: skip
         print(format_plan(plan))
         return 0
     if args.manifest_only or args.task is not None or args.finalize or args.failed_tasks:
         return _replay_engine_step(args, recipe, common, out)
-    t = args.claim_timeout
-    timing = dict(stale_after_s=t, heartbeat_s=min(30.0, t / 4), poll_s=min(15.0, t / 4)) if t is not None else {}
-    if args.max_hold is not None:
-        timing["max_hold_s"] = args.max_hold
-    claims = ClaimConfig(**timing) if timing else None
     rows = replay(
         recipe,
         wandb=wandb_mode_from_env(args.wandb),
         progress=not args.no_progress,
         ablate=args.ablate,
-        claims=claims,
+        rewrite_manifest=args.rewrite_manifest,
         **common,
     )
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
@@ -173,44 +169,47 @@ def cmd_replay(args) -> int:
 
 
 def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
-    """``--manifest-only`` (the driver), ``--task N`` (one engine task), ``--finalize`` (after them all)."""
-    from .replay import RevisionFailed, finalize, read_manifest, replay_revision, write_manifest
+    """``--manifest-only`` (the driver), ``--task N`` (one engine task), ``--failed-tasks``, ``--finalize`` (after them all).
+    ``--manifest-only`` and ``--failed-tasks`` print an array range alone on stdout (``sbatch --array=$(...)``), the rest on stderr."""
+    from .replay import RevisionFailed, array_range, failed_tasks, finalize, read_manifest, replay_revision, write_manifest
 
     unit = {k: common[k] for k in ("probes", "dtype", "device", "cache_dir", "tokens_per_step", "batch_tokens", "protocol", "fetch",
-                                   "max_memory", "lightning_module", "live_store")}  # fmt: skip
+                                   "max_memory", "lightning_module", "live_store", "skip_duplicates")}  # fmt: skip
     if sum((args.manifest_only, args.task is not None, args.finalize, args.failed_tasks)) > 1:
         raise ValueError("--manifest-only, --task, --finalize and --failed-tasks are separate steps: run one at a time")
+    if args.rewrite_manifest and not args.manifest_only:
+        raise ValueError("--rewrite-manifest goes with --manifest-only (the driver's step) or a run without an engine, not a task's step")
     if args.failed_tasks:
-        from .replay import failed_tasks
-
-        print(",".join(str(i) for i in failed_tasks(recipe, out_dir=out, **unit)))
+        m = read_manifest(out)
+        names = failed_tasks(recipe, out_dir=out, **{k: v for k, v in unit.items() if k not in ("device", "fetch", "max_memory")})
+        print(array_range(m.index_of(n) for n in names))
+        print(f"{len(names)} of {len(m.task_list)} task(s) not done" + (f": {', '.join(names[:10])}" if names else ""), file=sys.stderr)
         return 0
     if args.manifest_only:
-        listing = {k: v for k, v in unit.items() if k not in ("device", "fetch", "max_memory")}
+        listing = {k: v for k, v in unit.items() if k not in ("device", "max_memory")}
         m = write_manifest(recipe, out_dir=out, revisions=common["revisions"], log_spaced=common["log_spaced"],
-                           skip_duplicates=common["skip_duplicates"], **listing)  # fmt: skip
-        tasks = m.tasks()
+                           all_revisions=common["all_revisions"], rewrite=args.rewrite_manifest, **listing)  # fmt: skip
         groups = {g.members for g in m.groups().values()}
-        print(f"manifest: {Path(out) / 'manifest.json'}: {len(m.revisions)} revision(s) in {len(tasks)} task(s) "
-              f"({len(groups)} duplicate group(s) over the {len(m.entries)} listed)")  # fmt: skip
-        print(f"tasks: --task 0 .. --task {len(tasks) - 1}   (sbatch --array=0-{len(tasks) - 1})")
+        print(array_range(range(len(m.task_list))))
+        print(f"manifest: {Path(out) / 'manifest.json'}: {len(m.revisions)} revision(s) in {len(m.task_list)} task(s) "
+              f"({len(groups)} duplicate group(s) over the {len(m.entries)} listed); array range above: "
+              f"--task 0 .. --task {len(m.task_list) - 1}", file=sys.stderr)  # fmt: skip
         return 0
     if args.task is not None:
         m = read_manifest(out)
         if m is None:  # replay_revision says what to run
             replay_revision(recipe, "-", out_dir=out, **unit)
-        tasks = m.tasks()
-        if not 0 <= args.task < len(tasks):
-            raise ValueError(f"--task {args.task}: {Path(out) / 'manifest.json'} has tasks 0 .. {len(tasks) - 1}")
+        task = m.task_at(args.task)
         try:
-            row = replay_revision(recipe, tasks[args.task][0], out_dir=out, progress=not args.no_progress, **unit)
+            row = replay_revision(recipe, task.name, out_dir=out, progress=not args.no_progress, **unit)
         except RevisionFailed as exc:
             print(f"sinkwatch replay --task {args.task}: {exc}", file=sys.stderr)
             return 1
-        print(f"task {args.task}: {', '.join(tasks[args.task])} -> {row['status']}")
+        print(f"task {args.task} ({task.name}): {', '.join(task.members)} -> {row['status']}")
         return 0
     summary = finalize(recipe, out_dir=out, ablate=args.ablate, ablation_revision=args.ablation_revision, **unit)
-    print(f"finalize {out}: {len(summary['done'])} done, {len(summary['failed'])} failed, {len(summary['missing'])} missing")
+    print(f"finalize {out}: {len(summary['done'])} done, {len(summary['failed'])} failed, {len(summary['missing'])} missing"
+          + (f", {len(summary['skipped'])} skipped (duplicates)" if summary["skipped"] else ""))  # fmt: skip
     for name, error in summary["failed"].items():
         print(f"  failed: {name}: {error}")
     for name in summary["missing"]:
@@ -284,16 +283,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated revisions (default: the recipe's, or every branch with a step in its name; main and tags only when named)",
     )
     sel.add_argument("--log-spaced", type=int, default=None, help="replay ~N log-spaced revisions of those listed by the hub")
+    sel.add_argument(
+        "--all-revisions",
+        action="store_true",
+        help="every published revision of the model (every branch with a step: Pythia-1b's 154), not the recipe's list "
+        "(the packaged recipes keep the paper's ten)",
+    )
     r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
     # replay's probe options lay over the recipe's probes: no CLI default of their own
     add_probe_arguments(r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)")
     r.add_argument(
         "--shard",
         default=None,
-        help="K/N: a static split, every N-th revision starting at K (not needed for several workers: they claim revisions "
-        "in the store, whatever launched them)",
+        help="K/N: this worker's stride of the manifest's tasks (every N-th from K), then what is still missing; torchrun's "
+        "RANK/WORLD_SIZE and srun's SLURM_PROCID/SLURM_NTASKS give it without this option",
     )
-    r.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (offline replay: set HF_HUB_OFFLINE=1)")
+    r.add_argument(
+        "--cache-dir",
+        default=None,
+        help="a Hugging Face cache read before downloading, never written (offline replay: set HF_HUB_OFFLINE=1 and it is the only source)",
+    )
     r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
     r.add_argument(
         "--wandb",
@@ -354,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tflops", type=float, default=None, help="with --plan: probe TFLOP/s for the time estimate (default: cpu 0.2, cuda 50)"
     )
     scale.add_argument(
-        "--keep-cache", action="store_true", help="keep each downloaded revision (default: evicted once its record is written)"
+        "--keep-cache", action="store_true", help="keep each task's download folder (default: emptied once its records are written)"
+    )
+    scale.add_argument(
+        "--cache-root",
+        default=None,
+        help="where each task downloads into a folder of its own (default: the store's cache/, which a retry on any node finds "
+        "and empties; finalize sweeps what is left)",
     )
     scale.add_argument("--no-prefetch", action="store_true", help="do not download the next revision while the current one is probed")
     scale.add_argument("--retries", type=int, default=5, help="retries of a hub call on 5xx / 429 / dropped connections (default 5)")
@@ -363,45 +378,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="memory each device may use (24GiB, 500MB; default: what it has free): a revision that cannot fit is refused before download",
     )
-    scale.add_argument(
-        "--claim-timeout",
-        type=float,
-        default=None,
-        help="seconds after which a silent worker's claim is taken over (default 600; heartbeats every quarter of it, at most 30 s)",
-    )
     eng = r.add_argument_group("engines (docs/replay.md: Slurm arrays, submitit, Ray)")
     eng.add_argument(
         "--manifest-only",
         action="store_true",
-        help="write DIR/manifest.json (refs, commits, fingerprints, duplicate groups over the whole run, tasks) and stop: "
-        "the driver's step, before any task starts",
+        help="write DIR/manifest.json, the plan (refs, commits, fingerprints, duplicate groups over the whole run, named tasks), "
+        "once, and print its array range (0-153) alone on stdout: the driver's step, before any task starts",
+    )
+    eng.add_argument(
+        "--rewrite-manifest",
+        action="store_true",
+        help="update the plan: moved branches, rewritten checkpoints, more revisions (--log-spaced 16 after 8, --all-revisions); "
+        "existing tasks keep their names and indices, new ones are appended; refused while a task runs",
     )
     eng.add_argument(
         "--task",
         type=int,
         default=None,
         metavar="N",
-        help="measure task N of DIR/manifest.json (0-based; one per Slurm array index: --task $SLURM_ARRAY_TASK_ID); no claims; "
-        "exit 1 on failure, after writing the failed row",
+        help="measure task N of DIR/manifest.json's written list (0-based; one per Slurm array index: --task $SLURM_ARRAY_TASK_ID): "
+        "a record for every member not recorded yet; exit 1 on failure, after writing the failed rows",
     )
     eng.add_argument(
         "--failed-tasks",
         action="store_true",
-        help="print the manifest's task indices not done (failed, killed or never run), comma-separated: "
-        "resubmit them with sbatch --array=$(...)",
+        help="print the array range of the manifest's tasks not done (failed, killed or never run) alone on stdout, nothing "
+        "when all are: resubmit them with sbatch --array=...",
     )
     eng.add_argument(
         "--finalize",
         action="store_true",
-        help="after the tasks: derive the stages in step order (DIR/trajectory.json), run the ablation once, list what failed",
-    )
-    scale.add_argument(
-        "--max-hold",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="a claim is heartbeat for at most this long (default 6 h): a worker hung in a probe or a download lets its "
-        "revision go stale then, and another worker takes it over (set it to a few times --plan's time per revision)",
+        help="after the tasks: record the attempts killed without a word, sweep the task folders, derive the stages in step "
+        "order (DIR/trajectory.json), run the ablation once, list what failed",
     )
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 

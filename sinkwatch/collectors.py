@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import metrics
+from .capture.sublayers import SUBLAYER_KINDS
 from .kernels import attention_stats
 
 
@@ -65,6 +66,12 @@ class Part:
         pass
 
     def on_block_output(self, batch: slice, layer: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def on_block_input(self, batch: slice, layer: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def on_sublayer_output(self, batch: slice, layer: int, kind: str, output: torch.Tensor) -> None:
         pass
 
 
@@ -241,25 +248,63 @@ class AblationPart(Part):
 
 @dataclass
 class P0Part(Part):
-    """Residual stream after each block: per-sequence ||h[0]|| / median_{t>=1} ||h[t]||, and h[0]."""
+    """Position 0's norm against its sequence's other positions, per sequence (N, ...):
+
+    - after each block (the residual stream): ||h[0]|| / median_{t>=1} ||h[t]|| (N, L), h[0] (N, L, d)
+      and the mean of the other positions' h[t] (N, L, d), which centres the direction test;
+    - before block 0 (the embeddings as the blocks see them): the same ratio (N,);
+    - of what each block's attention and MLP write (``capture/sublayers.py``): (N, L) each, NaN in
+      blocks without that sublayer.
+    """
 
     n_layers: int
     ratio: list = field(init=False)
     vectors: list = field(init=False)
+    others: list = field(init=False)
+    embeddings: list = field(init=False)
+    sublayers: dict = field(init=False)
 
     def __post_init__(self):
         self.ratio = [[] for _ in range(self.n_layers)]
         self.vectors = [[] for _ in range(self.n_layers)]
+        self.others = [[] for _ in range(self.n_layers)]
+        self.embeddings = []
+        self.sublayers = {kind: [[] for _ in range(self.n_layers)] for kind in SUBLAYER_KINDS}
 
     def on_block_output(self, batch, layer, hidden):
-        h = hidden.float()
-        norms = torch.linalg.vector_norm(h, dim=-1)  # (B, S)
-        self.ratio[layer].append(metrics.norm_ratio_per_sequence(norms).cpu().numpy())
+        h = hidden.float()  # (B, S, d)
+        self.ratio[layer].append(_norm_ratio(h))
         self.vectors[layer].append(h[:, 0].cpu().numpy())
+        self.others[layer].append(h[:, 1:].mean(dim=1).cpu().numpy())
+
+    def on_block_input(self, batch, layer, hidden):
+        if layer == 0:
+            self.embeddings.append(_norm_ratio(hidden.float()))
+
+    def on_sublayer_output(self, batch, layer, kind, output):
+        self.sublayers[kind][layer].append(_norm_ratio(output.float()))
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """ratio (N, L), vectors (N, L, d)."""
         return _stack_layers(self.ratio), _stack_layers(self.vectors)
+
+    def others_result(self) -> np.ndarray:
+        """(N, L, d): each sequence's mean of h[t], t >= 1, after each block."""
+        return _stack_layers(self.others)
+
+    def embeddings_result(self) -> np.ndarray | None:
+        """(N,) the embeddings' norm ratio; None when the target hands no block input."""
+        return np.concatenate(self.embeddings) if self.embeddings else None
+
+    def sublayer_result(self, kind: str) -> np.ndarray | None:
+        """(N, L) the norm ratio of what ``kind`` writes; None when no block has that sublayer."""
+        return _stack_layers(self.sublayers[kind]) if any(self.sublayers[kind]) else None
+
+
+def _norm_ratio(x: torch.Tensor) -> np.ndarray:
+    """(B, S, ...) -> (B,): ||x[0]|| / median_{t>=1} ||x[t]|| over the flattened feature axes."""
+    norms = torch.linalg.vector_norm(x.flatten(2), dim=-1)  # (B, S)
+    return metrics.norm_ratio_per_sequence(norms).cpu().numpy()
 
 
 class ProbeCollector:
@@ -296,3 +341,11 @@ class ProbeCollector:
     def on_block_output(self, layer, hidden):
         for p in self.parts:
             p.on_block_output(self.batch, layer, hidden)
+
+    def on_block_input(self, layer, hidden):
+        for p in self.parts:
+            p.on_block_input(self.batch, layer, hidden)
+
+    def on_sublayer_output(self, layer, kind, output):
+        for p in self.parts:
+            p.on_sublayer_output(self.batch, layer, kind, output)

@@ -100,9 +100,14 @@ def sink_center(alpha: np.ndarray) -> int | None:
         return int(np.nanargmax(mean))
 
 
-def multi_sink_positions(profile: np.ndarray, floor: float) -> int:
-    """How many positions k have Sink_k >= floor (several early sinks = a transitional circuit)."""
-    return int(np.count_nonzero(np.asarray(profile) >= floor))
+def sink_positions(profile: np.ndarray, ratio: float, floor: float) -> int:
+    """How many early positions sink: Sink_k >= ``ratio`` x the largest Sink_k, and Sink_k >= ``floor``
+    (0 when no position reaches ``floor``). Relative, so a converged model's faint second position
+    (a few % beside a 70 % sink) is not a second sink, while two comparable sinks are."""
+    p = np.nan_to_num(np.asarray(profile, dtype=float), nan=0.0)
+    if p.size == 0:
+        return 0
+    return int(np.count_nonzero((p >= ratio * p.max()) & (p >= floor)))
 
 
 # ---- selectivity screen (Xu 2026) --------------------------------------------------------------
@@ -317,6 +322,77 @@ def circuit_layer(
         held &= np.nan_to_num(np.asarray(consistency, dtype=float), nan=-np.inf) >= min_consistency
     hits = np.flatnonzero(held)
     return int(hits[0]) if len(hits) else None
+
+
+def direction_consistency_centered(vectors: np.ndarray, others_mean: np.ndarray, first_tokens: np.ndarray) -> float:
+    """``direction_consistency`` of h_l[0] - mean_{t>=1} h_l[t] (each sequence's own mean of the other
+    positions). Uncentred, a direction every position shares (a model with no amplification at all
+    reads c ~ 0.96) passes for a stable position-0 direction; centred, only what sets position 0
+    apart from its sequence counts. vectors, others_mean: (N, d)."""
+    return direction_consistency(np.asarray(vectors, dtype=np.float64) - np.asarray(others_mean, dtype=np.float64), first_tokens)
+
+
+def p0_circuit(
+    norm_ratio: np.ndarray,
+    embeddings_ratio: float | None,
+    consistency: np.ndarray | None,
+    *,
+    min_ratio: float,
+    min_consistency: float,
+    min_persistence: float,
+    shallow_blocks: int = 2,
+) -> dict:
+    """Where and how position 0 is amplified along the stack (the P0-sink circuit), continuously.
+
+    ``norm_ratio``: rho_l after each block (L,); ``embeddings_ratio``: rho before block 0 (None or
+    NaN: taken as 1); ``consistency``: the centred direction consistency per block, or None (every
+    window starts with the same BOS: no direction test). Returns:
+
+    - ``rho_max``, ``rho_max_block``: the largest rho_l and its block;
+    - ``p0_emergence_block``: the block with the largest gain in log rho (block 0's gain is over the
+      embeddings): where the amplification happens;
+    - ``p0_persistence``: the share of the blocks after it whose rho stays >= ``min_ratio`` (NaN when
+      it is the last block: nothing after it can anchor on it);
+    - ``p0_concentration``: the share of log rho_max gained within blocks 0..``shallow_blocks``-1,
+      both measured from the embeddings, clipped to [0, 1]; NaN when rho_max <= 1 or no block
+      gains over the embeddings. The P0 paper's signal: the circuit concentrates in blocks 0-1 as
+      training converges;
+    - ``circuit_layer``: the emergence block when it amplifies (rho >= ``min_ratio``), persists
+      (persistence >= ``min_persistence``) and, with ``consistency``, points one way across
+      sequences (c >= ``min_consistency``); else None.
+    """
+    rho = np.asarray(norm_ratio, dtype=float)
+    base = float(embeddings_ratio) if embeddings_ratio is not None and math.isfinite(embeddings_ratio) and embeddings_ratio > 0 else 1.0
+    out = {
+        "rho_max": None,
+        "rho_max_block": None,
+        "p0_emergence_block": None,
+        "p0_persistence": math.nan,
+        "p0_concentration": math.nan,
+        "circuit_layer": None,
+    }
+    finite = np.isfinite(rho) & (rho > 0)
+    if not finite.any():
+        return out
+    log_rho = np.where(finite, np.log(np.where(finite, rho, 1.0)), np.nan)
+    top = int(np.nanargmax(np.where(finite, rho, -np.inf)))
+    out["rho_max"], out["rho_max_block"] = float(rho[top]), top
+    gains = np.diff(np.concatenate([[math.log(base)], log_rho]))  # gain into each block, NaN around non-finite blocks
+    if np.isnan(gains).all():
+        return out
+    e = int(np.nanargmax(gains))
+    out["p0_emergence_block"] = e
+    later = rho[e + 1 :]
+    persistence = float(np.mean(np.nan_to_num(later, nan=-np.inf) >= min_ratio)) if later.size else math.nan
+    out["p0_persistence"] = persistence
+    span = log_rho[top] - math.log(base)
+    if rho[top] > 1 and span > 0:
+        shallow = np.nanmax(np.concatenate([log_rho[:shallow_blocks], [-np.inf]]))
+        out["p0_concentration"] = float(np.clip((shallow - math.log(base)) / span, 0.0, 1.0))
+    stable = consistency is None or np.nan_to_num(np.asarray(consistency, dtype=float)[e], nan=-np.inf) >= min_consistency
+    if rho[e] >= min_ratio and persistence >= min_persistence and stable:  # NaN persistence fails
+        out["circuit_layer"] = e
+    return out
 
 
 # ---- scoring, ablation, recall -----------------------------------------------------------------------------

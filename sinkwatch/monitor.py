@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import metrics
+from . import metrics, stages
 from .capture import ProbeTarget, resolve_target, untouched
 from .capture.head import ProbeForward
 from .collectors import AblationPart, GatePart, HeadCountPart, HeadOutputPart, P0Part, ProbeCollector, RowColumnsPart, SinkPart
@@ -29,7 +29,7 @@ from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
 from .snapshot import Snapshot
-from .stages import StageConfig, classify_induction, classify_p0
+from .stages import StageConfig, classify
 
 PROTOCOLS = ("sinkwatch", "paper")
 PAPER_PR_SEQUENCES = 500  # the paper's PR: the first 500 induction-probe sequences (its --n-examples 500)
@@ -126,8 +126,8 @@ class Monitor:
 
         ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
         DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. The record's ``*_now`` keys
-        are the stage rules applied to this probe alone; a run's history (``p0_stage``,
-        ``induction_state``, events) is a ``StageTracker``'s, kept by whoever tracks a run (the live
+        (and ``p0_stage_by_anchor``) are the stage rules applied to this probe alone; a run's history
+        (``p0_stage``, ``induction_state``, ``stages_visited``, events) is a ``StageTracker``'s, kept by whoever tracks a run (the live
         monitor, replay).
 
         ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe_share``):
@@ -189,32 +189,25 @@ class Monitor:
             tokens=tokens,
         )
         record = snap.to_record()
-        snap.values["p0_stage_now"] = classify_p0(record, self.config.stages)[0]
-        snap.values["induction_state_now"] = classify_induction(record, self.config.stages)[0]
+        snap.values.update(classify(record, self.config.stages))  # this probe alone; a run's stages are a StageTracker's
         return snap
 
     def _p0_anchor(self, natural: ProbeSet, fed: dict, twin: dict | None) -> dict:
-        """The circuit keys and ``p0_anchor`` when every natural window starts with the same token (a BOS).
+        """The anchor and circuit keys when every natural window starts with the same token (a BOS).
 
-        Direction consistency compares h_l[0] across sequences whose first tokens differ; with one
-        shared first token there is no such pair (NaN), so the windows as fed cannot show a positional
-        circuit. Two questions are then asked (SPEC §6, docs/stages.md):
-
-        - a positional circuit? The BOS-free twin — the same windows without their first token
-          (SPEC §3; ``twin``: its values) — is judged by the positional rule; if it has a circuit
-          layer, ``p0_anchor`` is ``position`` and the twin gives ``p0_norm_ratio``,
-          ``p0_direction_consistency`` and ``circuit_layer`` (``circuit_source: natural_bos_free_twin``);
-        - else an amplified BOS? The BOS's own norm ratio, held for two blocks at
-          ``bos_min_norm_ratio`` (no direction test: c is undefined), gives ``circuit_layer`` and
-          ``p0_anchor: bos`` (``circuit_source: natural``).
-
-        Either way the record keeps the BOS's numbers (``p0_norm_ratio_bos``, ``circuit_layer_bos``)
-        and the twin's (``circuit_layer_twin``); sink keys stay those of the windows as fed."""
+        The windows as fed sink on the BOS; their BOS-free twin (the same windows without their first
+        token, ``twin``: its values) sinks on position 0, if anywhere. Each anchor is judged on its
+        own windows (docs/stages.md, "Two anchors"): the BOS by its amplification (its own R, no
+        direction test: one shared token has one direction by construction), position 0 by the
+        positional rule. The sinks use the BOS's circuit unless the twin's is shallower:
+        ``p0_anchor`` names the one that decides, and the record's circuit keys are its (with no
+        circuit at all, the windows as fed). ``p0_anchor_views`` keeps both anchors' numbers (sinks
+        included: the twin's sink rate and profile, and per head ``sink_alpha`` on the BOS vs on
+        position 0), ``p0_norm_ratio_bos`` / ``circuit_layer_bos`` / ``circuit_layer_twin`` the two
+        verdicts; the record's sink keys stay those of the windows as fed."""
         if twin is None:
             return {}  # the windows themselves decide (``_p0_values`` set p0_anchor)
         st = self.config.stages
-        bos_rho = np.asarray(fed["p0_norm_ratio"], dtype=float)
-        bos_layer = metrics.circuit_layer(bos_rho, None, st.bos_min_norm_ratio)
         if not bool((natural.tokens[:, 1] != natural.tokens[0, 1]).any()):
             warnings.warn(
                 "sinkwatch: every natural window starts with the same two tokens; whether a positional P0 circuit exists "
@@ -222,12 +215,17 @@ class Monitor:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        both = {"p0_norm_ratio_bos": bos_rho, "circuit_layer_bos": bos_layer, "circuit_layer_twin": twin["circuit_layer"]}
-        keys = ("p0_norm_ratio", "p0_direction_consistency", "circuit_layer")
-        if twin["circuit_layer"] is None and bos_layer is not None:
-            return {**both, "circuit_layer": bos_layer, "p0_anchor": "bos", "circuit_source": "natural"}
-        anchor = "position" if twin["circuit_layer"] is not None else None
-        return {**both, **{k: twin[k] for k in keys}, "p0_anchor": anchor, "circuit_source": "natural_bos_free_twin"}
+        views = {"bos": _anchor_view(fed), "position": _anchor_view(twin)}
+        views["bos"].update(stages.circuit(views["bos"], st, bos=True))
+        views["bos"]["circuit_layer_first"] = metrics.circuit_layer(fed["p0_norm_ratio"], None, st.bos_min_norm_ratio)
+        bos_layer, twin_layer = views["bos"]["circuit_layer"], views["position"]["circuit_layer"]
+        if bos_layer is not None and (twin_layer is None or twin_layer >= bos_layer):
+            anchor = "bos"
+        else:
+            anchor = "position" if twin_layer is not None else None
+        chosen = views[anchor or "bos"]
+        both = {"p0_norm_ratio_bos": fed["p0_norm_ratio"], "circuit_layer_bos": bos_layer, "circuit_layer_twin": twin_layer}
+        return {**both, **{k: chosen[k] for k in P0_CIRCUIT_KEYS}, "p0_anchor": anchor, "p0_anchor_views": views}
 
     def _micro(self, probe: ProbeSet) -> int:
         return micro_batch_rows(probe.seq_len, self.config.batch_tokens)  # the rule the memory check assumes
@@ -400,13 +398,17 @@ class _SinkRun(_ProbeRun):
             "gates": self.gate.result(),  # (n, L, H): gated attention, or None
             "ratio": ratio,  # (n, L)
             "vectors": vectors,  # (n, L, d)
+            "others": self.p0.others_result(),  # (n, L, d): each sequence's mean of the other positions
+            "embeddings": self.p0.embeddings_result(),  # (n,) or None
+            "attention": self.p0.sublayer_result("attention"),  # (n, L) or None
+            "mlp": self.p0.sublayer_result("mlp"),  # (n, L) or None
         }
 
     def values(self, state: State, softmax_layers: list[int]) -> tuple[dict, int | None]:
         alpha = state["alpha"]
         values = {
             **_sink_values(alpha, self.config, softmax_layers),
-            **_p0_values(state["ratio"], state["vectors"], self.probe.tokens[:, 0].numpy(), self.config),
+            **_p0_values(state, self.probe.tokens[:, 0].numpy(), self.config),
         }
         learned = state["learned"]
         if learned is not None:
@@ -519,27 +521,64 @@ def _bos_free_twin(natural: ProbeSet) -> ProbeSet | None:
 
 def _sink_values(alpha: np.ndarray, config: MonitorConfig, softmax_layers: list[int]) -> dict:
     frac = metrics.sink_fractions(alpha, config.sink_epsilon, softmax_layers)
+    st = config.stages
     return {
         "sink_rate": frac["rate"],
         "sink_profile": frac["profile"],
         "sink_rate_per_layer": frac["per_layer"],
         "sink_alpha": metrics.sink_alpha_mean(alpha),
         "sink_center": metrics.sink_center(alpha),
-        "sink_positions": metrics.multi_sink_positions(frac["profile"], config.stages.secondary_sink_floor),
+        "sink_positions": metrics.sink_positions(frac["profile"], st.second_sink_ratio, st.sink_rate_floor),
     }
 
 
-def _p0_values(ratio: np.ndarray, vectors: np.ndarray, first_tokens: np.ndarray, config: MonitorConfig) -> dict:
+# the keys that describe where position 0 is amplified: an anchor's own (``Monitor._p0_anchor``)
+P0_CIRCUIT_KEYS = (
+    "p0_norm_ratio",
+    "p0_norm_ratio_embeddings",
+    "p0_direction_consistency",
+    "p0_direction_consistency_centered",
+    "p0_attn_norm_ratio",
+    "p0_mlp_norm_ratio",
+    "rho_max",
+    "rho_max_block",
+    "p0_emergence_block",
+    "p0_persistence",
+    "p0_concentration",
+    "circuit_layer",
+    "circuit_layer_first",
+)
+_VIEW_SINK_KEYS = ("sink_rate", "sink_profile", "sink_center", "sink_positions", "sink_alpha")
+
+
+def _p0_values(state: State, first_tokens: np.ndarray, config: MonitorConfig) -> dict:
+    """Where and how position 0 is amplified (docs/stages.md): rho after each block, before block 0
+    and of each block's attention / MLP output; direction consistency (uncentred, and centred on
+    the other positions); the circuit's emergence, persistence, concentration and layer; and
+    ``circuit_layer_first``, the first block >= R (the circuit layer of earlier sinkwatch)."""
+    ratio, vectors, others = state["ratio"], state["vectors"], state["others"]
+    L = vectors.shape[1]
     rho = metrics.p0_norm_ratio(ratio)
-    consistency = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(vectors.shape[1])])
+    uncentred = np.array([metrics.direction_consistency(vectors[:, l], first_tokens) for l in range(L)])
+    centred = np.array([metrics.direction_consistency_centered(vectors[:, l], others[:, l], first_tokens) for l in range(L)])
     st = config.stages
-    layer = metrics.circuit_layer(rho, consistency, st.circuit_min_norm_ratio, st.circuit_min_consistency)
-    return {
+    values = {
         "p0_norm_ratio": rho,
-        "p0_direction_consistency": consistency,
-        "circuit_layer": layer,
-        "p0_anchor": "position" if layer is not None else None,  # windows sharing a BOS: Monitor._p0_anchor decides
+        "p0_norm_ratio_embeddings": None if state["embeddings"] is None else float(np.median(state["embeddings"])),
+        "p0_direction_consistency": uncentred,
+        "p0_direction_consistency_centered": centred,
+        "p0_attn_norm_ratio": None if state["attention"] is None else metrics.p0_norm_ratio(state["attention"]),
+        "p0_mlp_norm_ratio": None if state["mlp"] is None else metrics.p0_norm_ratio(state["mlp"]),
     }
+    values.update(stages.circuit(values, st, bos=False))
+    values["circuit_layer_first"] = metrics.circuit_layer(rho, uncentred, st.circuit_min_norm_ratio, st.circuit_min_consistency)
+    values["p0_anchor"] = "position" if values["circuit_layer"] is not None else None  # a shared BOS: Monitor._p0_anchor decides
+    return values
+
+
+def _anchor_view(values: dict) -> dict:
+    """One anchor's numbers, as ``stages.p0_views`` reads them: its windows' sinks and circuit keys."""
+    return {k: values.get(k) for k in (*_VIEW_SINK_KEYS, *P0_CIRCUIT_KEYS)}
 
 
 def _parse_head(h) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The one table of model families sinkwatch is tested on; the README's family list is generated from it.
+"""The one table of model families sinkwatch is tested on; docs/metrics.md's family list is generated from it.
 
 Every row names the family (transformers ``model_type``), what it brings that the capture must
 honour, and the test that compares sinkwatch's record with an independent eager computation on a
@@ -8,8 +8,8 @@ sink logits of real size (gpt-oss), soft-capping at 1.0 under sharpened queries 
 attention with gates spread over (0, 1) (Qwen3-Next), and softmax blocks among Mamba / linear-
 attention blocks (Qwen3-Next, Jamba, Bamba, Zamba2) or beside them in every block (Falcon-H1).
 
-    python tests/families.py           # print the README block
-    python tests/families.py --write   # rewrite it in README.md (tests/test_families.py checks it)
+    python tests/families.py           # print the docs/metrics.md block
+    python tests/families.py --write   # rewrite it in docs/metrics.md (tests/test_families.py checks it)
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ATTENTION_FAMILIES = "tests/test_attention_families.py"
 @dataclass(frozen=True)
 class Family:
     name: str  # transformers model_type
-    title: str  # how the README names it
+    title: str  # how docs/metrics.md names it
     features: str  # what the capture must honour
     test: str  # the test comparing its record with eager attention
     config: Callable | None = None  # built here (None: tiny_models builds it)
@@ -189,7 +189,7 @@ README_END = "<!-- families:end -->"
 
 
 def readme_block() -> str:
-    """The README's family list, one line per family of the table."""
+    """docs/metrics.md's family list, one line per family of the table."""
     lines = [README_START, "| family (`model_type`) | what the capture honours | tested against eager attention in |", "|---|---|---|"]
     for f in FAMILIES.values():
         lines.append(f"| {f.title} (`{f.name}`) | {f.features} | `{f.test}` |")
@@ -198,14 +198,14 @@ def readme_block() -> str:
 
 
 def readme_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "README.md"
+    return Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
 def readme_with_block(text: str) -> str:
-    """README text with its generated block replaced by the table's (ValueError without the markers)."""
+    """docs/metrics.md's text with its generated block replaced by the table's (ValueError without the markers)."""
     start, end = text.find(README_START), text.find(README_END)
     if start < 0 or end < start:
-        raise ValueError(f"README.md has no generated family block ({README_START!r} ... {README_END!r})")
+        raise ValueError(f"docs/metrics.md has no generated family block ({README_START!r} ... {README_END!r})")
     return text[:start] + readme_block() + text[end + len(README_END) :]
 
 

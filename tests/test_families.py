@@ -9,9 +9,9 @@ from sinkwatch.capture import SUPPORTED_FAMILIES
 
 
 def test_readme_family_list_is_generated_from_the_table():
-    """README.md's family block is exactly what tests/families.py renders (`python tests/families.py --write`)."""
+    """docs/metrics.md's family block is exactly what tests/families.py renders (`python tests/families.py --write`)."""
     text = families.readme_path().read_text()
-    assert families.readme_with_block(text) == text, "README.md's family list is stale: run `python tests/families.py --write`"
+    assert families.readme_with_block(text) == text, "docs/metrics.md's family list is stale: run `python tests/families.py --write`"
 
 
 def test_every_family_of_the_table_is_tested_and_named_by_the_package():

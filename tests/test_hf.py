@@ -116,7 +116,7 @@ def test_resume_from_checkpoint(tmp_path, restore_flag):
     assert [r["step"] for r in read_jsonl(out / "records.jsonl")] == [0, 5, 10, 15, 20]
     state = json.loads((tmp_path / "out" / "checkpoint-10" / "trainer_state.json").read_text())
     saved = state["stateful_callbacks"]["SinkWatchTrainerCallback"]["attributes"]["sinkwatch_state"]
-    assert saved["last_probed_step"] == 10 and saved["tracker"]["p0_stage"] == "final"
+    assert saved["last_probed_step"] == 10 and saved["tracker"]["declared"]["p0"] == "final"
 
     a2 = args(tmp_path, learning_rate=0.0, max_steps=30, save_strategy="no", restore_callback_states_from_checkpoint=restore_flag)
     t2 = Trainer(model=planted.p0_final(), args=a2, train_dataset=data, callbacks=[SinkWatchTrainerCallback(**kw)])

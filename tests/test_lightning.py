@@ -77,7 +77,7 @@ def test_a_transition_gives_exactly_one_alert(tmp_path):
     trainer(tmp_path, [cb], max_steps=15).fit(lit, data)
     events = read_jsonl(tmp_path / "sw" / "events.jsonl")
     assert [(e["timeline"], e["previous"], e["stage"]) for e in events] == [("p0", "none", "final")]
-    assert events[0]["since_step"] == 0 and events[0]["step"] == 5 and events[0]["level"] == "WARN"
+    assert events[0]["first_met_step"] == 0 and events[0]["step"] == 5 and events[0]["level"] == "WARN"
     assert len(cb.live.wandb_reporter.alerts) == 1
     assert cb.live.wandb_reporter.final_summary["sinkwatch/alerts"] == 1
 

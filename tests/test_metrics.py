@@ -34,7 +34,35 @@ def test_sink_fractions_use_a_strict_epsilon_per_sample():
     assert M.sink_center(alpha) == 0
     alpha[..., 1] += 0.6
     assert M.sink_center(alpha) == 1
-    assert M.multi_sink_positions(np.array([0.5, 0.06, 0.04, 0.2]), 0.05) == 3
+    # relative to the largest Sink_k (a quarter of 0.5), and above the floor
+    assert M.sink_positions(np.array([0.5, 0.06, 0.04, 0.2]), 0.25, 0.02) == 2
+    assert M.sink_positions(np.array([0.5, 0.125, 0.04, 0.2]), 0.25, 0.02) == 3  # inclusive
+    assert M.sink_positions(np.array([0.01, 0.01, 0.0]), 0.25, 0.02) == 0  # no position reaches the floor
+    assert M.sink_positions(np.array([np.nan, 0.3]), 0.25, 0.02) == 1
+
+
+def test_p0_circuit_emergence_persistence_concentration():
+    """The circuit description on hand-made rho profiles (docs/stages.md)."""
+    kw = dict(min_ratio=2.0, min_consistency=0.8, min_persistence=0.5)
+    # SmolLM2's shape: a small precursor at blocks 1-2 that falls back, then x170 from block 5 on
+    rho = np.array([1.2, 3.0, 9.8, 1.0, 1.0, 170.0, 160.0, 150.0])
+    c = np.ones(8)
+    got = M.p0_circuit(rho, 1.0, c, **kw)
+    assert (got["p0_emergence_block"], got["circuit_layer"], got["rho_max_block"]) == (5, 5, 5)
+    assert got["p0_persistence"] == 1.0
+    assert got["p0_concentration"] == pytest.approx(np.log(3.0) / np.log(170.0))
+    assert M.p0_circuit(rho, 1.0, np.where(np.arange(8) == 5, 0.5, 1.0), **kw)["circuit_layer"] is None  # no stable direction
+    assert M.p0_circuit(rho, 1.0, None, **kw)["circuit_layer"] == 5  # the BOS anchor: no direction test
+    # a random stack: block 0 stands out, the next block undoes it
+    rnd = M.p0_circuit(np.array([2.2, 1.6, 1.4, 1.3]), 1.0, np.zeros(4), **kw)
+    assert rnd["p0_emergence_block"] == 0 and rnd["p0_persistence"] == 0.0 and rnd["circuit_layer"] is None
+    # gains are measured from the embeddings; nothing above 1: no concentration
+    assert M.p0_circuit(np.array([30.0, 30.0]), 1.0, None, **kw)["p0_concentration"] == 1.0
+    assert np.isnan(M.p0_circuit(np.array([30.0, 30.0]), 30.0, None, **kw)["p0_concentration"])  # the embeddings were already x30
+    flat = M.p0_circuit(np.array([0.9, 0.95]), 1.0, None, **kw)
+    assert np.isnan(flat["p0_concentration"]) and flat["circuit_layer"] is None
+    last = M.p0_circuit(np.array([1.0, 1.0, 50.0]), 1.0, None, **kw)  # the last block: nothing after it to persist
+    assert last["p0_emergence_block"] == 2 and np.isnan(last["p0_persistence"]) and last["circuit_layer"] is None
 
 
 def test_selectivity_columns_and_scores():

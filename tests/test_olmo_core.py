@@ -169,6 +169,12 @@ def test_sliding_window_and_gqa_reach_the_statistics():
         def on_block_output(self, layer, hidden):
             pass
 
+        def on_block_input(self, layer, hidden):
+            pass
+
+        def on_sublayer_output(self, layer, kind, output):
+            pass
+
     target = OLMoCoreTarget(model)
     with torch.no_grad(), target.capture(Spy()) as forward:
         logits = forward(torch.randint(0, 64, (2, 40)), all_logits=True).logits

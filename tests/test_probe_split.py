@@ -75,7 +75,8 @@ def test_a_split_probe_equals_one_process_in_float32(launch, name):
     (got,) = read_jsonl(d / "sw" / "records.jsonl")  # rank 0 alone writes
     (want,) = read_jsonl(launch[0] / "ddp" / "single" / "records.jsonl")  # the same model, one process
     assert_split_equals_single(got, want, rtol=1e-5, atol=1e-6)
-    assert got["circuit_source"] == want["circuit_source"] == "natural_bos_free_twin"  # the twin ran split too
+    assert set(got["p0_anchor_views"]) == {"bos", "position"}  # the BOS-free twin ran split too
+    assert got["circuit_layer_twin"] == want["circuit_layer_twin"]  # its values compared above, in p0_anchor_views
     assert got["pr_sequences"] == want["pr_sequences"] == 11  # PR's Gram matrices summed over the shares
 
 

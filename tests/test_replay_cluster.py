@@ -3,7 +3,7 @@ serving revisions of a tiny model the test builds, through the real huggingface_
 
 Bounded disk and prefetch, retries of 503s, workers of every launcher sharing one store (real
 processes: three srun tasks at once, torchrun, a worker killed with SIGKILL), the plan, placement,
-the out-of-memory retry, the paper protocol's memory order and stages, the Python entry point."""
+the out-of-memory retry, the paper protocol's memory order and stages."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import sinkwatch.monitor
 import sinkwatch.replay.measure
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, StageConfig, StageTracker
 from sinkwatch.cli import main
-from sinkwatch.replay import ClaimConfig, FetchConfig, detect_worker, merged_records, read_ablation, record_files, replay, replay_revision
+from sinkwatch.replay import FetchConfig, detect_worker, merged_records, read_ablation, record_files, replay
 from sinkwatch.replay.plan import ModelShape, place
 from sinkwatch.reporting.jsonl import read_jsonl
 
@@ -79,7 +79,13 @@ def ok_rows(store) -> list[dict]:
 
 
 def snapshots(cache) -> list[str]:
+    """The revisions (commits) a Hugging Face cache holds."""
     return sorted(p.name for p in (Path(cache) / "models--org--tiny" / "snapshots").glob("*"))
+
+
+def downloaded(store) -> list[str]:
+    """The revisions (commits) the task folders of a store hold right now."""
+    return sorted(p.name for p in (Path(store) / "cache").glob("*/models--org--tiny/snapshots/*"))
 
 
 def stages_in_step_order(records: list[dict], config: StageConfig) -> list[str]:
@@ -97,21 +103,24 @@ def commits(hub) -> dict[str, str]:
 
 
 # ---- bounded disk, prefetch, one download per revision ------------------------------------------------------------------
-def test_the_cache_holds_at_most_two_downloaded_revisions_and_ends_with_none(online, tmp_path, monkeypatch):
-    """Issue 19: replay kept every downloaded revision (4 of 4) and left the device idle while the next downloaded."""
+def test_a_worker_holds_at_most_two_downloaded_revisions_and_ends_with_none(online, tmp_path, monkeypatch):
+    """Issue 19: replay kept every downloaded revision (4 of 4) and left the device idle while the next downloaded.
+    Each task downloads into a folder of its own in the store, emptied once its record is written; the user's
+    cache (--cache-dir) is read first and never written."""
     import threading
 
     from huggingface_hub import snapshot_download
 
-    cache, c = tmp_path / "cache", commits(online)
-    snapshot_download(REPO, revision=c["step200"], cache_dir=cache)  # the user's own copy: never deleted
+    cache, store, c = tmp_path / "cache", tmp_path / "store", commits(online)
+    snapshot_download(REPO, revision=c["step200"], cache_dir=cache)  # the user's own copy: read, never downloaded again
+    before = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
     online.log.clear()
-    others_at_start = []  # other revisions on disk (but the user's) whenever a weights download starts
+    others_at_start = []  # other revisions in the store's task folders whenever a weights download starts
     next_started = threading.Event()
 
     def look(method, path):
         if method == "GET" and path.endswith("model.safetensors"):
-            others_at_start.append([s for s in snapshots(cache) if s != c["step200"] and s not in path])
+            others_at_start.append([s for s in downloaded(store) if s not in path])
             if c["step100"] in path:
                 next_started.set()
 
@@ -127,7 +136,7 @@ def test_the_cache_holds_at_most_two_downloaded_revisions_and_ends_with_none(onl
 
     monkeypatch.setattr(Monitor, "probe", slow_probe)
     online.on_request = look
-    rows = run(tmp_path / "store", cache)
+    rows = run(store, cache)
     assert [(r["revision"], r["status"]) for r in rows] == [(n, "ok") for n in NAMES]
     assert all(len(o) <= 1 for o in others_at_start), others_at_start  # never more than two revisions on disk...
     assert max(len(o) for o in others_at_start) == 1  # ...because the next one downloads while one is probed
@@ -135,37 +144,11 @@ def test_the_cache_holds_at_most_two_downloaded_revisions_and_ends_with_none(onl
     fetched = online.downloads("model.safetensors")
     assert sorted(fetched) == sorted(f"/{REPO}/resolve/{c[n]}/model.safetensors" for n in NAMES if n != "step200")  # once each
     assert online.downloads("pytorch_model.bin") == []  # one weights format
-    assert snapshots(cache) == [c["step200"]]  # ends with none downloaded; the user's revision kept whole
-    kept = cache / "models--org--tiny" / "snapshots" / c["step200"]
-    assert (kept / "model.safetensors").read_bytes() and (kept / "pytorch_model.bin").read_bytes()
+    assert downloaded(store) == [] and not list((store / "running").glob("*"))  # ends with none on disk, no attempt open
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == before  # the user's cache, untouched
     # --keep-cache keeps what it downloads
     rows = run(tmp_path / "kept", tmp_path / "cache2", revisions=NAMES[:2], fetch=FetchConfig(keep_cache=True))
-    assert [r["status"] for r in rows] == ["ok", "ok"] and snapshots(tmp_path / "cache2") == sorted([c["step0"], c["step100"]])
-
-
-def test_workers_sharing_a_cache_never_delete_what_another_still_needs(online, tmp_path):
-    """Two workers on one host, one cache: a blob the other worker's next revision will link (its config,
-    identical across revisions) survives an eviction, and a revision the other worker uses is left to it."""
-    from sinkwatch.replay.fetch import Fetcher
-    from sinkwatch.replay.revisions import Revision
-
-    cache, c = tmp_path / "cache", commits(online)
-    a, b = (Fetcher(REPO, cache_dir=str(cache), config=FAST["fetch"], worker_id=w) for w in ("a", "b"))
-    rev = {n: Revision(n, commit=c[n]) for n in NAMES}
-    a.fetch(rev["step0"])
-    repo = cache / "models--org--tiny"
-    config_blob = (repo / "snapshots" / c["step0"] / "config.json").resolve()
-    weights_blob = (repo / "snapshots" / c["step0"] / "model.safetensors").resolve()
-    b.guard.acquire(REPO, c["step200"], {config_blob.name, "0" * 64}, will_evict=True)  # b is about to download step200
-    assert a.release(rev["step0"]) > 0
-    assert snapshots(cache) == [] and not weights_blob.exists() and config_blob.exists()  # step0 gone, the shared blob kept
-    b.fetch(rev["step200"])
-    assert (repo / "snapshots" / c["step200"] / "config.json").read_text()
-    assert len(online.downloads("/config.json")) == 1  # not fetched again
-    a.fetch(rev["step200"])  # a uses step200 too (the ablation revision, say): b's eviction leaves it to a
-    assert b.release(rev["step200"]) == 0 and snapshots(cache) == [c["step200"]]
-    assert a.release(rev["step200"]) > 0 and snapshots(cache) == []
-    a.close(), b.close()
+    assert [r["status"] for r in rows] == ["ok", "ok"] and downloaded(tmp_path / "kept") == sorted([c["step0"], c["step100"]])
 
 
 def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is_recorded_failed(online, tmp_path):
@@ -188,7 +171,7 @@ def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is
     online.clear_faults()
     retried = run(tmp_path / "store", tmp_path / "cache")  # a later job retries the failed revision, and only it
     assert [(r["revision"], r["status"]) for r in retried] == [("step200", "ok")]
-    assert snapshots(tmp_path / "cache") == []
+    assert downloaded(tmp_path / "store") == []
 
 
 # ---- workers of any launcher share one store ------------------------------------------------------------------------------
@@ -210,12 +193,14 @@ def as_test(argv: list[str], tmp: Path) -> list[str]:
     recipe.write_text(f"model: {REPO}\nname: tiny\nprobes:\n  induction: {{n: 8, seq_len: 64}}\n")
     argv = [str(recipe) if a == "pythia-1b" else a for a in argv]
     argv[argv.index("--out") + 1] = str(tmp / "store")
+    argv.remove("--all-revisions")  # the recipe lists no revisions: every listed one is measured either way
     return [*argv, "--cache-dir", str(tmp / "cache"), "--no-progress", *([] if "--wandb" in argv else ["--wandb", "disabled"])]
 
 
-def test_three_srun_workers_started_at_once_measure_each_revision_once(online, tmp_path):
+def test_three_srun_workers_started_at_once_record_each_revision_once(online, tmp_path):
     """Issue 19: `srun -n K` ran K full copies (Slurm's variables were not read), and three processes on one
-    store measured every revision three times. The docs' srun command, run as srun runs it."""
+    store measured every revision three times. The docs' srun command, run as srun runs it: each worker takes
+    its stride of the tasks, then what is missing; each revision is recorded once."""
     argv = docs_command("srun ")
     assert argv[:3] == ["srun", "-n", "8"] and argv[3:5] == ["sinkwatch", "replay"]
     cmd = [sys.executable, "-m", "sinkwatch", *as_test(argv[4:], tmp_path)]
@@ -228,64 +213,63 @@ def test_three_srun_workers_started_at_once_measure_each_revision_once(online, t
     rows = ok_rows(tmp_path / "store")
     assert sorted(r["revision"] for r in rows) == NAMES  # each exactly once
     assert {r["worker"].split(".")[0] for r in rows} <= {"srun-0of3", "srun-1of3", "srun-2of3"}
-    assert sorted(online.downloads("model.safetensors")) == sorted(set(online.downloads("model.safetensors")))
-    assert snapshots(tmp_path / "cache") == []
+    assert len(online.downloads("model.safetensors")) <= len(NAMES) + 2  # at most a duplicated measurement per other worker
+    assert downloaded(tmp_path / "store") == [] and not list((tmp_path / "store" / "running").glob("*"))
 
 
 @pytest.fixture(scope="module")
-def two_shards(hub, tmp_path_factory):
-    """A two-shard run (--shard 0/2, then 1/2) asked for the ablation at step300, which shard 1 owns."""
-    d = tmp_path_factory.mktemp("two_shards")
+def two_rounds(hub, tmp_path_factory):
+    """A run of step0 and step200, then one of step100 and step300 added to its plan (--rewrite-manifest), asked
+    for the ablation at step300."""
+    d = tmp_path_factory.mktemp("two_rounds")
     cfg = MonitorConfig(stages=StageConfig(patience=2, **PR_STAGES))
     kw = dict(monitor_config=cfg, ablate=True, ablation_revision="step300")
     with patched_endpoint(hub.endpoint):
-        first = run(d / "store", d / "cache", shard=(0, 2), **kw)
-        after_first = read_ablation(d / "store")
-        second = run(d / "store", d / "cache", shard=(1, 2), **kw)
-    return d, cfg, kw, first, after_first, second
+        first = run(d / "store", d / "cache", revisions=["step0", "step200"], monitor_config=cfg)
+        second = run(d / "store", d / "cache", revisions=["step100", "step300"], rewrite_manifest=True, **kw)
+    return d, cfg, kw, first, second
 
 
-def test_stages_are_derived_from_the_whole_store_in_step_order(two_shards):
+def test_stages_are_derived_from_the_whole_store_in_step_order(two_rounds):
     """Issue 19: stored stages were derived from the worker's own shard only. Each record's stages are derived
     over every record in the store when it was written (any worker's), in step order; the report's over the
     whole store, in step order, with the same StageConfig."""
-    d, cfg, _, first, _, second = two_shards
+    d, cfg, _, first, second = two_rounds
     assert [r["revision"] for r in first] == ["step0", "step200"] and [r["revision"] for r in second] == ["step100", "step300"]
     stored = {r["revision"]: r for r in ok_rows(d / "store")}
-    written = ["step0", "step200", "step100", "step300"]  # shard 0's, then shard 1's
+    written = ["step0", "step200", "step100", "step300"]  # the first run's, then the second's
     for i, name in enumerate(written):
         seen = [stored[n] for n in NAMES if n in written[: i + 1]]
         assert stored[name]["induction_state"] == stages_in_step_order(seen, cfg.stages)[seen.index(stored[name])], name
-    # step100, shard 1's first record: declared "forming" at its second probe in step order, step0 — the other shard's
+    # step100, the second run's first record: declared "forming" at its second probe in step order, step0 — the first run's
     assert stored["step100"]["induction_state"] == "forming"
     whole = stages_in_step_order([stored[n] for n in NAMES], cfg.stages)
     assert [r["induction_state"] for r in merged_records(d / "store")] == whole
     assert [stored[n]["induction_state"] for n in ("step0", "step100", "step300")] == [whole[0], whole[1], whole[3]]
 
 
-def test_the_ablation_runs_once_on_the_record_of_its_revision(two_shards):
-    """Issue 19: the ablation ran on shard 0, which probed step300 itself though shard 1 owns it."""
-    d, _, _, _, after_first, _ = two_shards
-    assert after_first is None  # shard 0 left it: step300's record was not there yet
+def test_the_ablation_runs_once_on_the_record_of_its_revision(two_rounds):
+    """Issue 19: the ablation ran on a worker that probed step300 itself though another measured it."""
+    d, _, _, _, _ = two_rounds
     a = read_ablation(d / "store")
     assert a["status"] == "ok" and a["revision"] == "step300" and a["screen"] == "record"
-    assert not list((d / "store" / "claims").glob("*.claim")) and snapshots(d / "cache") == []
+    assert downloaded(d / "store") == [] and not list((d / "store" / "running").glob("*"))
 
 
-def test_a_two_shard_run_resumed_with_three_workers_then_one_measures_nothing_again(two_shards, hub, monkeypatch):
+def test_a_two_round_run_resumed_with_three_workers_then_one_measures_nothing_again(two_rounds, hub, monkeypatch):
     """Issue 19: after shards 0/2 and 1/2 a single-process rerun measured all 4 revisions again (done was per shard file).
-    The three are Slurm array tasks, as the docs' sbatch --array command starts them."""
-    d, _, kw, _, _, _ = two_shards
+    Three srun workers, then one process: nothing to measure, no download, no hub request."""
+    d, _, kw, _, _ = two_rounds
     before = (d / "store" / "ablation.json").read_text()
     hub.log.clear()
     with patched_endpoint(hub.endpoint):
-        for task in range(3):
+        for rank in range(3):
             with monkeypatch.context() as m:
-                for k, v in {"SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": 3, "SLURM_ARRAY_TASK_MIN": 0}.items():
+                for k, v in {"SLURM_PROCID": rank, "SLURM_NTASKS": 3}.items():
                     m.setenv(k, str(v))
-                assert run(d / "store", d / "cache", **kw) == []
-        assert run(d / "store", d / "cache", **kw) == []
-    assert hub.downloads("model.") == [] and (d / "store" / "ablation.json").read_text() == before
+                assert run(d / "store", d / "cache", revisions=NAMES, **kw) == []
+        assert run(d / "store", d / "cache", revisions=NAMES, **kw) == []
+    assert hub.log == [] and (d / "store" / "ablation.json").read_text() == before
     assert sorted(r["revision"] for r in ok_rows(d / "store")) == NAMES
 
 
@@ -322,28 +306,26 @@ def test_every_launcher_is_recognised(env, expected):
     assert str(w.pid) in w.id and w.host in w.id
 
 
-def test_a_worker_killed_mid_revision_is_taken_over(online, tmp_path):
-    """A worker SIGKILLed while downloading its revision leaves a claim whose owner's alive lock the kernel dropped:
-    the next worker on this host takes it over at once (issue 26: no wait for the claim to go stale)."""
+def test_a_worker_killed_mid_download_is_resumed_by_the_next_run(online, tmp_path):
+    """A worker SIGKILLed while downloading its revision leaves that task's folder and marker; no lease holds the
+    task: the next run measures it (its attempt empties the folder first) and ends with nothing left on disk."""
     online.throttle(20_000)  # bytes/s: one revision's weights take ~7 s
     started = threading.Event()
     online.on_request = lambda method, path: started.set() if method == "GET" and path.endswith("model.safetensors") else None
     cmd = [sys.executable, "-m", "sinkwatch", "replay", REPO, "--out", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache")]
-    killed = subprocess.Popen([*cmd, *PROBE_ARGS, "--claim-timeout", "2"], env=online.env(), cwd=ROOT, stderr=subprocess.DEVNULL)
+    killed = subprocess.Popen([*cmd, *PROBE_ARGS], env=online.env(), cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         assert started.wait(120), "the worker never started downloading"
-        claim = next((tmp_path / "store" / "claims").glob("*.claim"))
-        assert json.loads(claim.read_text())["revision"] == "step0"
     finally:
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
     online.throttle(None)
     online.on_request = None
-    with pytest.warns(RuntimeWarning, match=rf"taking over step0 from .*\.{killed.pid}, whose process is gone"):
-        rows = run(tmp_path / "store", tmp_path / "cache", claims=ClaimConfig(stale_after_s=2, heartbeat_s=0.5, poll_s=0.2))
-    assert sorted(r["revision"] for r in rows) == NAMES  # step0 once its claim went stale, whenever that was
-    assert sorted(r["revision"] for r in ok_rows(tmp_path / "store")) == NAMES
-    assert snapshots(tmp_path / "cache") == [] and not list((tmp_path / "store" / "claims").glob("*.claim"))
+    assert [json.loads(p.read_text())["task"] for p in (tmp_path / "store" / "running").glob("*.json")] == ["step0"]
+    assert list((tmp_path / "store" / "cache").glob("*/models--org--tiny"))  # its half-downloaded revision, in the store
+    rows = run(tmp_path / "store", tmp_path / "cache")
+    assert sorted(r["revision"] for r in rows) == NAMES and sorted(r["revision"] for r in ok_rows(tmp_path / "store")) == NAMES
+    assert downloaded(tmp_path / "store") == [] and not list((tmp_path / "store" / "running").glob("*"))
 
 
 def test_the_torchrun_command_of_the_docs_with_one_wandb_run_per_worker_grouped_by_the_store(online, tmp_path):
@@ -395,39 +377,6 @@ def _wandb_run(path: Path) -> tuple[str, str]:
     raise AssertionError(f"no run record in {path}")
 
 
-def docs_python(marker: str) -> str:
-    """The docs' Python block (cluster section) that holds ``marker``."""
-    at = DOCS.index("## A full trajectory on a cluster")
-    while True:
-        start = DOCS.index("```python", at) + len("```python")
-        end = DOCS.index("```", start)
-        if marker in DOCS[start:end]:
-            return DOCS[start:end]
-        at = end + 3
-
-
-def test_the_python_entry_point_of_the_docs_maps_over_revisions_in_processes(online, tmp_path):
-    """The docs' Python-API block as written — the manifest, a spawned process pool standing in for an engine
-    mapping the unit over its tasks, then finalize."""
-    code = docs_python("ProcessPoolExecutor")
-    options = dict(probes=PROBES, cache_dir=str(tmp_path / "cache"), progress=False, **FAST)
-    for old, new in (
-        ('load_recipe("pythia-1b")', repr(REPO)),
-        ('"/shared/runs/pythia-1b"', repr(str(tmp_path / "store"))),
-        ("ProcessPoolExecutor(4,", "ProcessPoolExecutor(2,"),
-        ("out_dir=OUT)", "out_dir=OUT, **TEST_OPTIONS)"),
-    ):
-        assert old in code, old
-        code = code.replace(old, new)
-    scope = {"__name__": "__main__", "TEST_OPTIONS": options}
-    exec(compile(code, "docs/replay.md", "exec"), scope)
-    rows = scope["records"]
-    assert [(r["revision"], r["status"]) for r in rows] == [(n, "ok") for n in NAMES]
-    assert sorted(r["revision"] for r in ok_rows(tmp_path / "store")) == NAMES and snapshots(tmp_path / "cache") == []
-    assert scope["summary"]["done"] == NAMES and scope["summary"]["failed"] == {} and scope["summary"]["missing"] == []
-    assert replay_revision(REPO, "step100", out_dir=tmp_path / "store", **options)["commit"] == online.commit_of(REPO, "step100")
-
-
 # ---- the plan, placement, memory --------------------------------------------------------------------------------------------
 def test_plan_prints_the_sizes_the_hub_serves_and_fetches_no_weights(online, tmp_path, capsys):
     """Issue 19: replay said nothing before it started (no revisions, sizes, disk, memory or time)."""
@@ -440,7 +389,7 @@ def test_plan_prints_the_sizes_the_hub_serves_and_fetches_no_weights(online, tmp
         line = next(x for x in out.splitlines() if x.strip().startswith(n + " "))
         assert c[n][:8] in line and line.rstrip().endswith("to do")
     assert out.count(f"model.safetensors  {size} bytes") == 4 and "pytorch_model.bin" not in out
-    assert re.search(r"~2 each", out) and "workers: 3 (--workers)" in out
+    assert re.search(r"~2 revision\(s\) each", out) and "workers: 3 (--workers)" in out
     from sinkwatch.replay.plan import human
 
     one = sum(len(f.data) for p, f in online.repos[REPO].commits[c["step0"]].items() if p != "pytorch_model.bin")

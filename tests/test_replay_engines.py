@@ -1,53 +1,65 @@
-"""Replay on the engines clusters already run (issue 26): a real one-node Slurm cluster (slurmctld, slurmd,
-munged, started once per session in a private directory, stopped by PID), submitit's SlurmExecutor on it,
-and a local Ray cluster — each running the docs' commands against the stand-in hub through huggingface_hub.
+"""Replay on the engines clusters already run: a real one-node Slurm 22.05 (slurmctld, slurmd, munged, started once
+per session in a private directory, stopped by PID), submitit's SlurmExecutor on it, and a local Ray cluster —
+each running the docs' lines as written against the stand-in hub serving the real repository name,
+EleutherAI/pythia-1b, with a short listing (four step branches of a tiny GPT-NeoX, and main = the last one).
 
-Under CI=true an engine that is missing fails these tests instead of skipping them (.ci/run installs them).
+In every engine's run one task is killed with SIGKILL mid-probe (as the OOM killer does) and one hangs in its
+probe until its time limit (Slurm's --time, submitit's time, run_with_limit's limit_s); then the failed tasks
+are resubmitted as the docs say, and the store ends with exactly one record per revision, no failed row, nothing
+in any task folder and no attempt marker.
+
+Substitutions, each named where it is made: the store path; the GPUs (this cluster has no GRES, Ray no GPU);
+submitit's time=120 by time=10 (submitit's own rule then calls the USR2 a time-out, as it does at a real limit);
+Ray's limit 2 * 3600 by seconds. The recipe is the packaged pythia-1b's with a small probe, through
+SINKWATCH_RECIPES (which the docs' lines honour as a user's own recipes): the lines themselves are unchanged.
+Under CI=true an engine that is missing fails these tests instead of skipping them (scripts/test.sh --system
+installs them).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
-import tempfile
-import textwrap
+import threading
 import time
+from importlib import resources
 from pathlib import Path
 
 import pytest
+import replay_faults
 import slurm_cluster
-import torch
+import yaml
 from local_hub import LocalHub, patched_endpoint
 from tiny_models import build
 
-from sinkwatch.cli import main
-from sinkwatch.replay import RevisionFailed, read_manifest, record_files
+from sinkwatch.replay import read_manifest, record_files
 from sinkwatch.reporting.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "docs" / "replay.md").read_text()
-REPO = "org/engines"
-NAMES = ["step0", "step100", "step200", "step300"]
+REPO = "EleutherAI/pythia-1b"
+NAMES = ["step1", "step16", "step1000", "step143000"]  # tasks 0-3; step1 is killed, step16 hangs
 STORE = "/shared/runs/pythia-1b"
 
 
 def missing(reason: str):
-    """An engine this machine lacks: a skip here, a failure under CI (where .ci/run installs every engine)."""
+    """An engine this machine lacks: a skip here, a failure under CI (where scripts/test.sh installs every engine)."""
     if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}: .ci/run installs every engine, none may be skipped")
+        pytest.fail(f"CI=true and {reason}: scripts/test.sh --system installs every engine, none may be skipped")
     pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")  # not session: it points this process's huggingface_hub at the stand-in hub while it lives
 def engine_hub(tmp_path_factory):
-    """Four revisions of a tiny Llama; step300 serves step200's weights (a wrong branch: one task of two names)."""
     d = tmp_path_factory.mktemp("engine_revisions")
     with LocalHub() as h:
-        for i, name in enumerate(NAMES[:3]):
-            build("llama", seed=i).save_pretrained(d / name)
+        for i, name in enumerate(NAMES):
+            build("gpt_neox", seed=i, vocab_size=10_000).save_pretrained(d / name)  # the recipe's probe draws ids in [100, 10000)
             h.add_revision(REPO, name, d / name)
-        h.add_revision(REPO, "step300", d / "step200")
+        h.add_revision(REPO, "main", d / NAMES[-1])  # as Pythia's main: the final step's weights
         with patched_endpoint(h.endpoint):
             yield h
 
@@ -59,40 +71,107 @@ def hub(engine_hub):
     engine_hub.clear_faults()
 
 
-def env(hub) -> dict:
-    e = hub.env()
-    e["PYTHONPATH"] = os.environ.get("PYTHONPATH") or str(ROOT)
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory) -> Path:
+    """The packaged pythia-1b recipe with a probe of 8 x 64 sequences (its protocol, revisions and ablation kept)."""
+    d = tmp_path_factory.mktemp("recipes")
+    recipe = yaml.safe_load(resources.files("sinkwatch.recipes").joinpath("pythia-1b.yaml").read_text())
+    recipe["probes"] = {"induction": {"n": 8, "seq_len": 64, "seed": 42}}
+    recipe["batch_tokens"] = 512
+    (d / "pythia-1b.yaml").write_text(yaml.safe_dump(recipe))
+    return d
+
+
+def env(hub, recipes: Path, faults: Path) -> dict:
+    e = replay_faults.env(faults, hub.env())
+    e["PYTHONPATH"] += os.pathsep + (os.environ.get("PYTHONPATH") or str(ROOT))
+    e["SINKWATCH_RECIPES"] = str(recipes)
     return e
-
-
-def recipe(tmp: Path) -> Path:
-    path = tmp / "tiny.yaml"
-    path.write_text(f"model: {REPO}\nname: tiny\nprobes:\n  induction: {{n: 8, seq_len: 64}}\n")
-    return path
 
 
 def rows(store) -> list[dict]:
     return [r for p in record_files(store) for r in read_jsonl(p)]
 
 
-def ok_names(store) -> list[str]:
-    return sorted(r["revision"] for r in rows(store) if r.get("status") == "ok")
+def docs_block(after: str, lang: str) -> str:
+    """The first ```lang block after the line starting with ``after`` (docs/replay.md, cluster section)."""
+    at = DOCS.index(after, DOCS.index("## A full trajectory on a cluster"))
+    start = DOCS.index(f"```{lang}\n", at) + len(f"```{lang}\n")
+    return DOCS[start : DOCS.index("```", start)]
 
 
-def docs_lines(start: str, count: int) -> list[str]:
-    lines = DOCS.splitlines()
-    i = next(i for i, x in enumerate(lines) if x.startswith(start))
-    return lines[i : i + count]
+def substitute(text: str, *pairs: tuple[str, str]) -> str:
+    for old, new in pairs:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
 
 
-def docs_python(marker: str) -> str:
-    at = DOCS.index("## A full trajectory on a cluster")
-    while True:
-        start = DOCS.index("```python", at) + len("```python")
-        end = DOCS.index("```", start)
-        if marker in DOCS[start:end]:
-            return DOCS[start:end]
-        at = end + 3
+class Watch:
+    """Kills the planted SIGKILL fault's process once its probe starts, calls ``on_hang(pid)`` once the hung one's
+    does, and keeps every failed row that appears in the store (they are replaced once the resubmission succeeds)."""
+
+    def __init__(self, store: Path, faults: Path, on_hang=None):
+        self.store, self.faults, self.on_hang = store, faults, on_hang
+        self.failed: dict[str, dict] = {}
+        self.events: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Watch:
+        replay_faults.plant(self.faults, "step1", "kill")
+        replay_faults.plant(self.faults, "step16", "hang")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        todo = {"step1": self._kill, "step16": self._hang}
+        while not self._stop.is_set():
+            for rev, act in list(todo.items()):
+                ready = self.faults / f"{rev}.ready"
+                if ready.exists():
+                    act(int(ready.read_text()))
+                    del todo[rev]
+            for p in (self.store / "records").glob("*.failed.json") if (self.store / "records").is_dir() else ():
+                try:
+                    row = json.loads(p.read_text())
+                except (OSError, json.JSONDecodeError):
+                    continue
+                self.failed.setdefault(row["revision"], row)
+            time.sleep(0.2)
+
+    def _kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)  # as the OOM killer would: no handler runs, nothing is written
+        self.events.append(f"killed {pid}")
+
+    def _hang(self, pid: int) -> None:
+        self.events.append(f"hung {pid}")
+        if self.on_hang is not None:
+            self.on_hang(pid)
+
+
+def assert_converged(store: Path, hub) -> None:
+    """Exactly one record per revision and manifest commit, no failed row, no task folder, no attempt marker."""
+    m = read_manifest(store)
+    got = sorted((r["revision"], r["commit"], r["status"]) for r in rows(store))
+    assert got == sorted((n, hub.commit_of(REPO, n), "ok") for n in NAMES), got
+    assert [m.entries[n]["commit"] for n in NAMES] == [hub.commit_of(REPO, n) for n in NAMES]
+    assert not list((store / "records").glob("*.failed.json"))
+    assert not (store / "cache").exists() or not list((store / "cache").iterdir()), list((store / "cache").rglob("*"))[:5]
+    assert not list((store / "running").glob("*.json"))
+    ablation = json.loads((store / "ablation.json").read_text())
+    assert ablation["status"] == "ok" and ablation["revision"] == "step143000" and ablation["screen"] == "record"
+
+
+def assert_first_round(watch: Watch, hung_error: str) -> None:
+    """The killed task got its failed row from finalize (it wrote none), the hung one from its own handler."""
+    assert "Killed: the attempt started" in watch.failed["step1"]["error"], watch.failed
+    assert hung_error in watch.failed["step16"]["error"], watch.failed
+    assert set(watch.failed) == {"step1", "step16"}, watch.failed
 
 
 # ---- Slurm ------------------------------------------------------------------------------------------------------------
@@ -111,216 +190,136 @@ def slurm(tmp_path_factory):
 def bin_dir(tmp_path_factory):
     """``sinkwatch`` on PATH as this interpreter's module: the docs' lines run as written."""
     d = tmp_path_factory.mktemp("bin")
-    (d / "sinkwatch").write_text(f"#!/bin/sh\nexec {sys.executable} -m sinkwatch \"$@\"\n")
+    (d / "sinkwatch").write_text(f'#!/bin/sh\nexec {sys.executable} -m sinkwatch "$@"\n')
     (d / "sinkwatch").chmod(0o755)
     return d
 
 
-HUNG = textwrap.dedent(
-    """
-    import os, sys, time
-    T0 = time.time()
-    import sinkwatch.monitor
-
-    def hang(*a, **k):  # a probe that never returns; it says when it started (inside the unit's SIGTERM handling)
-        with open(os.environ["SINKWATCH_HUNG_READY"] + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {time.time() - T0:.1f}")
-        os.replace(os.environ["SINKWATCH_HUNG_READY"] + ".tmp", os.environ["SINKWATCH_HUNG_READY"])
-        time.sleep(3600)
-
-    sinkwatch.monitor.Monitor.probe = hang
-    from sinkwatch.cli import main
-    raise SystemExit(main(sys.argv[1:]))
-    """
-)
+def _slurm_job_of(pid: int) -> str:
+    """The Slurm job (``ARRAYJOB_TASK``) a process runs in, from its environment."""
+    e = dict(x.split("=", 1) for x in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in x)
+    return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}" if e.get("SLURM_ARRAY_JOB_ID") else e["SLURM_JOB_ID"]
 
 
-@pytest.fixture(scope="module")
-def hung_job(slurm, engine_hub, tmp_path_factory):
-    """A task whose probe hangs: submitted first (``--time=10``), checked last, when its time limit is cut to one
-    minute — once its probe hangs, so that the limit's SIGTERM finds the unit in its probe and not still
-    importing torch (on a loaded machine that alone took 90 s here). Run with ``exec``, as the docs' lines are:
-    the unit is the job's process, so the job ends only when the unit has (see docs/replay.md)."""
-    d = tmp_path_factory.mktemp("hung")
-    store = d / "store"
-    with patched_endpoint(engine_hub.endpoint):
-        assert main(["replay", str(recipe(d)), "--out", str(store), "--revisions", "step0", "--manifest-only"]) == 0
-    script = d / "hung.py"
-    script.write_text(HUNG)
-    cmd = f"exec {sys.executable} {script} replay {recipe(d)} --out {store} --task 0 --no-progress"
-    e = {**env(engine_hub), "SINKWATCH_HUNG_READY": str(d / "ready")}
-    job = slurm.sbatch(["--time=10", "-o", str(d / "out.txt"), "--wrap", cmd], cwd=d, env=e)
-    yield job, store, d, time.time()
-    if slurm.states(job).get(job) in ("PENDING", "RUNNING"):  # the time-limit test did not run: nothing left behind
-        subprocess.run(["scancel", job], env=slurm.env(), timeout=30)
-        slurm.wait(job, 60)
+def cut_limit(slurm):
+    """Once a task hangs in its probe, its time limit is cut to one minute (it was submitted with the docs' 120):
+    Slurm's limit, not the test, then ends it."""
+
+    def cut(pid: int) -> None:
+        subprocess.run(["scontrol", "update", f"JobId={_slurm_job_of(pid)}", "TimeLimit=1"], env=slurm.env(), check=True, timeout=30)
+
+    return cut
 
 
-def test_slurm_runs_the_docs_array_retries_the_failed_index_and_finalizes_on_afterany(slurm, hub, hung_job, bin_dir, tmp_path):
-    """The docs' four Slurm lines as written: the manifest, one revision per array task, finalize on afterany
-    (it runs though a task failed, and says which), the failed index resubmitted, finalize again."""
-    manifest_line, array_line, finalize_line, retry_line = docs_lines("sinkwatch replay pythia-1b --out", 4)
-    store = tmp_path / "store"
-    yaml = recipe(tmp_path)
+def test_slurm_runs_the_docs_lines_and_converges_after_a_sigkill_and_a_time_limit(slurm, hub, recipes, bin_dir, tmp_path):
+    """The docs' Slurm lines as written: the plan (its array range printed: 0-3), the array, finalize on afterany (a GPU
+    job with a time limit); task 0 SIGKILLed mid-probe, task 1 hung until --time (cut to a minute) kills it; finalize
+    records both and exits 1; then --failed-tasks (0-1), the resubmission and finalize again: converged."""
+    first, second = docs_block("**Slurm**", "bash").split("# once finalize has run")
+    store, faults = tmp_path / "store", tmp_path / "faults"
+    e = {**slurm.env(env(hub, recipes, faults)), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
-    def here(line: str) -> str:
-        line = line.split("   #")[0].replace(STORE, str(store)).replace("pythia-1b", str(yaml)).replace(" --gpus=1", "")
-        return line.replace("--task $SLURM_ARRAY_TASK_ID", "--task $SLURM_ARRAY_TASK_ID --retries 0 --no-progress")
-
-    e = {**slurm.env(env(hub)), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-
-    def bash(script: str) -> str:
-        res = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=e, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    def bash(lines: str, echo: str) -> list[str]:
+        script = substitute(lines, (STORE, str(store)), (" --gpus=1", "")) + f"\necho {echo}\n"  # no GRES here
+        res = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=e, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        return res.stdout
+        return res.stdout.split()
 
-    out = bash(here(manifest_line))
-    m = read_manifest(store)
-    assert m.tasks() == [["step0"], ["step100"], ["step200", "step300"]]  # step300 serves step200's weights: one task
-    assert "sbatch --array=0-2" in out
-    # the driver asked the hub once per commit; the tasks ask nothing but their downloads
-    hub.log.clear()
-    hub.fail(f"{hub.commit_of(REPO, 'step100')}/model.safetensors", times=1, status=503, method="GET")  # task 1 fails once
-    array = here(array_line).replace("--array=0-153", "--array=0-2")
-    first = bash(f"{array}\necho $JOB\n" + here(finalize_line).replace("sbatch ", f"sbatch --parsable -o {tmp_path}/final1.txt ", 1))
-    job, final = first.split()[-2:]
-    states = slurm.wait(job, 150)
-    assert states == {"0": "COMPLETED", "1": "FAILED", "2": "COMPLETED"}, states
-    assert slurm.wait(final, 120) == {final: "FAILED"}  # afterany: it ran, and exited 1 for the failure
-    said = (tmp_path / "final1.txt").read_text()
-    assert "3 done, 1 failed, 0 missing" in said and "failed: step100: " in said and "503" in said
-    asked = [p for m_, p, s in hub.log if p.startswith(f"/api/models/{REPO}")]
-    assert asked and not [p for p in asked if p.endswith("/refs")], asked  # the tasks list nothing...
-    assert all(p.split("/")[6] in m.refs.values() for p in asked), asked  # ...and name commits, never branches
-    assert ok_names(store) == ["step0", "step200", "step300"]
-    assert bash(here(retry_line.split(" --time")[0].split("$(")[1].split(")")[0])).strip() == "1"  # --failed-tasks
-    retry = bash(here(retry_line).replace("sbatch --array", "sbatch --parsable --array"))
-    assert slurm.wait(retry.strip(), 150) == {"1": "COMPLETED"}
-    assert bash(here(finalize_line.split("--wrap '")[1].rstrip("'"))).count("4 done, 0 failed, 0 missing") == 1  # finalize again
-    assert ok_names(store) == NAMES and not list((store / "records").glob("*.failed.json"))  # the success replaced the failure
-    step200, step300 = (next(r for r in rows(store) if r["revision"] == n) for n in ("step200", "step300"))
-    assert step300["measured_as"] == "step200" and step300["selectivity"] == step200["selectivity"]  # measured once
-    assert step300["duplicate_of"] == step200["duplicate_of"] == "step200"
+    with Watch(store, faults, on_hang=cut_limit(slurm)) as watch:
+        out = bash(first, "$ARRAY $JOB")
+        array, job, final = out[-2], out[-1], out[-3]  # sbatch (without --parsable) said: Submitted batch job FINAL
+        assert array == "0-3" and read_manifest(store).task_names() == NAMES
+        assert slurm.wait(job, 240) == {"0": "FAILED", "1": "TIMEOUT", "2": "COMPLETED", "3": "COMPLETED"}, (watch.events, _logs(tmp_path))
+        assert slurm.wait(final, 180) == {final: "FAILED"}, _logs(tmp_path)  # afterany: it ran, and exited 1 for the failures
+    said = (tmp_path / f"slurm-{final}.out").read_text()
+    assert "2 done, 2 failed, 0 missing" in said and "failed: step1: Killed" in said and "failed: step16: Terminated" in said
+    assert_first_round(watch, "Terminated: terminated by SIGTERM")
+    out = bash(second, "$FAILED $JOB")
+    failed, job, final = out[-2], out[-1], out[-3]
+    assert failed == "0-1"
+    assert slurm.wait(job, 180) == {"0": "COMPLETED", "1": "COMPLETED"}, _logs(tmp_path)
+    assert slurm.wait(final, 180) == {final: "COMPLETED"}, _logs(tmp_path)
+    assert "4 done, 0 failed, 0 missing" in (tmp_path / f"slurm-{final}.out").read_text()
+    assert [p for m, p, s in hub.log if p.endswith("/refs")] == [f"/api/models/{REPO}/refs"]  # the driver listed once; the tasks never
+    assert not [p for m, p, s in hub.log if any(f"/{b}/" in p for b in ("main", *NAMES))]  # everything by commit, never a branch
+    assert_converged(store, hub)
+    res = subprocess.run(["sinkwatch", "replay", "pythia-1b", "--out", str(store), "--failed-tasks"], env=e, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout == "\n"  # nothing left to resubmit
+
+
+def _logs(d: Path) -> str:
+    return "".join(p.read_text()[-1500:] for p in sorted(d.glob("slurm-*.out")))
 
 
 # ---- submitit on that Slurm ---------------------------------------------------------------------------------------------
-def test_submitit_runs_the_docs_block_and_a_raised_failure_reaches_the_caller(slurm, hub, tmp_path, monkeypatch):
+def test_submitit_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_limit(slurm, hub, recipes, tmp_path, monkeypatch):
+    """The docs' submitit block as written: task 0 SIGKILLed mid-probe (no result file: only finalize, on afterany,
+    sees it), task 1 hung until its limit — cut to a minute with scontrol; at USR2 submitit raises UncompletedJobError
+    in it, which the unit records as a failed row — then the loop's resubmission: converged."""
     try:
-        import submitit
+        import submitit  # noqa: F401
     except ImportError:
         missing("submitit is not installed (pip install submitit; it is in the dev extra)")
-    for k, v in slurm.env(env(hub)).items():
+    store, faults = tmp_path / "store", tmp_path / "faults"
+    for k, v in slurm.env(env(hub, recipes, faults)).items():
         if os.environ.get(k) != v:
             monkeypatch.setenv(k, v)
     for k in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_")) and k != "SLURM_CONF"]:
         monkeypatch.delenv(k)
-    store = tmp_path / "store"
-    code = docs_python("submitit.SlurmExecutor")
-    options = dict(probes=[_probe()], cache_dir=str(tmp_path / "cache"), fetch=_fast())
-    for old, new in (
-        ('load_recipe("pythia-1b")', repr(REPO)),
+    code = substitute(
+        docs_block("**submitit**", "python"),
         ('"/shared/runs/pythia-1b"', repr(str(store))),
-        ("time=120, gpus_per_node=1", "time=5"),
-        ("out_dir=OUT)", "out_dir=OUT, **TEST_OPTIONS)"),
-    ):
-        assert old in code, old
-        code = code.replace(old, new)
-    scope = {"__name__": "__main__", "TEST_OPTIONS": options}
-    exec(compile(code, "docs/replay.md", "exec"), scope)
-    assert [r["revision"] for r in scope["records"]] == ["step0", "step100", "step200"]
-    assert scope["summary"]["done"] == NAMES and scope["summary"]["failed"] == {}
-    # a raised failure: the job's exception reaches job.result(), and the failed row is in the store
-    hub.fail(f"{hub.commit_of(REPO, 'step0')}/model.safetensors", times=10_000, status=503, method="GET")
-    other = tmp_path / "other"
-    from sinkwatch.replay import replay_revision, write_manifest
-
-    write_manifest(REPO, out_dir=other, revisions=["step0"], **{k: v for k, v in options.items() if k != "fetch"})
-    executor = submitit.SlurmExecutor(folder=str(tmp_path / "submitit"))
-    executor.update_parameters(time=5)
-    job = executor.submit(replay_revision, REPO, "step0", out_dir=other, **options)
-    with pytest.raises(Exception, match="RevisionFailed.*step0 failed.*503"):
-        job.result()
-    assert [(r["revision"], r["status"]) for r in rows(other)] == [("step0", "failed")]
-
-
-def _probe():
-    from sinkwatch import InductionProbe
-
-    return InductionProbe(n=8, seq_len=64)
-
-
-def _fast():
-    from sinkwatch.replay import FetchConfig
-
-    return FetchConfig(retries=0, backoff_s=0.01, backoff_max_s=0.05)
+        (", gpus_per_node=1", ""),  # no GRES here
+        ("time=120", "time=10"),  # submitit calls a USR2 a time-out only past min(80 % of the limit, the limit - 10 min)
+    )
+    with Watch(store, faults, on_hang=cut_limit(slurm)) as watch:
+        scope = {"__name__": "__main__"}
+        exec(compile(code, "docs/replay.md", "exec"), scope)
+    assert scope["attempt"] == 1 and scope["tasks"] == [] and scope["summary"]["done"] == NAMES, (scope["summary"], watch.events)
+    assert_first_round(watch, "UncompletedJobError: Job not requeued because: timed-out and not checkpointable")
+    assert_converged(store, hub)
 
 
 # ---- Ray --------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ray_cluster(engine_hub):
+def ray_cluster(engine_hub, recipes, tmp_path_factory):
     try:
         import ray
     except ImportError:
         missing("ray is not installed (pip install ray; it is in the dev extra)")
-    e = env(engine_hub)
-    ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=128 * 1024**2, log_to_driver=False,
-        runtime_env={"env_vars": {k: e[k] for k in ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_XET", "PYTHONPATH")}},
-    )  # fmt: skip
-    yield ray
+    faults = tmp_path_factory.mktemp("ray_faults")
+    e = env(engine_hub, recipes, faults)
+    keys = ("HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_XET", "PYTHONPATH", "SINKWATCH_TEST_FAULTS")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 1024**2, log_to_driver=False,
+             runtime_env={"env_vars": {k: e[k] for k in keys}})  # fmt: skip
+    yield ray, faults
     ray.shutdown()
 
 
-def test_ray_runs_the_docs_block_and_retries_a_raised_failure(ray_cluster, hub, tmp_path):
-    """The unit as a Ray task with max_retries and retry_exceptions=True: step100 fails once (a 503 on its
-    weights, no hub retries), its failed row is written, Ray runs the task again, the success replaces it."""
+def test_ray_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_limit(ray_cluster, hub, recipes, tmp_path, monkeypatch):
+    """The docs' Ray block as written: task 0's worker SIGKILLed mid-probe (Ray retries it: a crashed worker),
+    task 1 hung past run_with_limit's limit (cancelled: KeyboardInterrupt, its failed row written; cancelled tasks
+    are never retried by Ray), resubmitted by the loop: converged."""
+    _, faults = ray_cluster
     store = tmp_path / "store"
-    code = docs_python("ray.remote")
-    options = dict(probes=[_probe()], cache_dir=str(tmp_path / "cache"), fetch=_fast())
-    for old, new in (
-        ('load_recipe("pythia-1b")', repr(REPO)),
+    monkeypatch.setenv("SINKWATCH_RECIPES", str(recipes))
+    code = substitute(
+        docs_block("**Ray**", "python"),
         ('"/shared/runs/pythia-1b"', repr(str(store))),
-        ("out_dir=OUT)", "out_dir=OUT, **TEST_OPTIONS)"),
-    ):
-        assert old in code, old
-        code = code.replace(old, new)
-    hub.fail(f"{hub.commit_of(REPO, 'step100')}/model.safetensors", times=1, status=503, method="GET")
-    scope = {"__name__": "__main__", "TEST_OPTIONS": options}
-    exec(compile(code, "docs/replay.md", "exec"), scope)
-    assert [(r["revision"], r["status"]) for r in scope["records"]] == [("step0", "ok"), ("step100", "ok"), ("step200", "ok")]
-    assert [s for m, p, s in hub.log if m == "GET" and p.endswith(f"{hub.commit_of(REPO, 'step100')}/model.safetensors")] == [503, 200]
-    assert scope["summary"]["done"] == NAMES and ok_names(store) == NAMES
-    assert not list((store / "records").glob("*.failed.json"))  # the retry's success replaced the failed row
+        ("num_gpus=1", "num_gpus=0"),  # no GPU here
+        ("limit_s=2 * 3600", "limit_s=60"),  # a limit the hung task reaches in the test; the others end well before
+    )
+    with Watch(store, faults) as watch:
+        scope = {"__name__": "__main__"}
+        exec(compile(code, "docs/replay.md", "exec"), scope)
+    assert scope["attempt"] == 1 and scope["tasks"] == [] and scope["summary"]["done"] == NAMES, (scope["summary"], watch.events)
+    assert "Killed" not in json.dumps(watch.failed)  # Ray ran the killed worker's task again: its next attempt recorded it
+    assert set(watch.failed) == {"step16"} and watch.failed["step16"]["error"].startswith("KeyboardInterrupt"), watch.failed
+    assert_converged(store, hub)
 
 
 def test_the_unit_without_a_manifest_names_the_command_that_writes_it(tmp_path):
+    from sinkwatch.replay import replay_revision
+
     with pytest.raises(ValueError, match=r"no manifest.json in .*sinkwatch replay org/engines --out .* --manifest-only"):
-        from sinkwatch.replay import replay_revision
-
-        replay_revision(REPO, "step0", out_dir=tmp_path, probes=[_probe()])
-    assert RevisionFailed.__mro__[1] is RuntimeError and torch is not None
-
-
-def test_slurm_time_limit_kills_a_hung_task_which_writes_its_failed_row(slurm, hung_job):
-    """A task whose probe never returns (submitted first, checked last: it hangs while the other tests run), its
-    time limit cut to one minute once it hangs: Slurm sends SIGTERM at the limit, the unit writes its failed row
-    (saying so) and exits; the job ends TIMEOUT — after the unit exited — and nothing is left in its own cache."""
-    job, store, d, started = hung_job
-    ready = d / "ready"
-    deadline = time.time() + 240  # the task imports torch and loads the model first: 10 s idle, 90 s on a loaded machine
-    while not ready.exists() and time.time() < deadline and slurm.states(job).get(job) in ("PENDING", "RUNNING"):
-        time.sleep(0.5)
-
-    def out() -> str:
-        return (d / "out.txt").read_text()[-3000:] if (d / "out.txt").exists() else ""
-
-    assert ready.exists(), f"the task never reached its hung probe: {slurm.states(job)} {out()}"
-    pid, after = ready.read_text().split()
-    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], env=slurm.env(), check=True, timeout=30)
-    # the limit is checked every 30 s: killed 60-90 s after the start, or within 30 s when that has passed
-    assert slurm.wait(job, 150) == {job: "TIMEOUT"}, f"hung {after} s after its start; {out()}"
-    assert not Path(f"/proc/{pid}").exists(), f"the job ended TIMEOUT while its unit (pid {pid}) still runs"
-    failed = [r for r in rows(store) if r.get("status") == "failed"]
-    assert [r["revision"] for r in failed] == ["step0"] and "SIGTERM" in failed[0]["error"], rows(store)
-    left = [p for p in Path(tempfile.gettempdir()).glob("sinkwatch-task-*") if p.stat().st_mtime >= started]
-    assert not left  # every task's own cache went with it (SIGTERM too)
+        replay_revision("org/engines", "step0", out_dir=tmp_path)

@@ -127,12 +127,15 @@ def test_a_branch_that_moves_to_new_weights_is_measured_again_and_the_report_say
     old = hub.commit_of("org/moving", "step200")
     assert [r["revision"] for r in first] == ["step100", "step200"]
     new = hub.move_branch("org/moving", "step200", weights["w2"])
-    # the plan says what the replay will do: the moved branch is to measure again (it said "done": by name)
-    plan = replay_plan("org/moving", out_dir=tmp_path, cache_dir=str(tmp_path / "hf_cache"), probes=PROBES, tokens_per_step=TPS)
+    # the plan is the store's manifest, written once: the move is picked up by an explicit rewrite, which the plan shows
+    plan = replay_plan("org/moving", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS)
+    assert [(p.rev.name, p.state) for p in plan.revisions] == [("step100", "done"), ("step200", "done")]
+    plan = replay_plan("org/moving", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS, rewrite_manifest=True)
     assert [(p.rev.name, p.state) for p in plan.revisions] == [("step100", "done"), ("step200", "to do")]
+    assert run("org/moving", tmp_path) == []  # the manifest's commits, all recorded: nothing to do, no hub request
     # a later process, whose records file (records.HOST.10.jsonl) sorts before the first one's (.9.)
     as_process(monkeypatch, 10)
-    again = run("org/moving", tmp_path)
+    again = run("org/moving", tmp_path, rewrite_manifest=True)
     assert [(r["revision"], r["commit"]) for r in again] == [("step200", new)]  # step100 did not move: done
     assert again[0]["weights_fingerprint"] == fingerprint_of(weights["w2"])
     assert f"/org/moving/resolve/{new}/model.safetensors" in hub.downloads()
@@ -152,7 +155,7 @@ def test_a_moved_branch_whose_new_weights_fail_is_reported_failed(hub, weights, 
     new = hub.move_branch("org/movefail", "step100", weights["w1"])
     hub.fail(f"{new}/model.safetensors", times=10_000, status=503, method="GET")
     try:
-        rows = run("org/movefail", tmp_path, fetch=FetchConfig(retries=0))
+        rows = run("org/movefail", tmp_path, fetch=FetchConfig(retries=0), rewrite_manifest=True)
     finally:
         hub.clear_faults()
     assert [(r["revision"], r["status"], r["commit"]) for r in rows] == [("step100", "failed", new)]
@@ -162,34 +165,38 @@ def test_a_moved_branch_whose_new_weights_fail_is_reported_failed(hub, weights, 
 
 
 def test_duplicated_branches_are_flagged_as_a_group_and_left_out_of_the_trajectory(hub, tmp_path):
-    with pytest.warns(RuntimeWarning, match=r"step150, step250, step300, main serve identical weights.*duplicate_of=main"):
+    """pythia#205: step150 and step250 serve the final weights (step300's, main's). The final step keeps them; every
+    other step serving them is a wrong branch, flagged, and the group measured once (one task)."""
+    with pytest.warns(RuntimeWarning, match=r"step150, step250, step300, main serve identical weights — step150, step250 flagged "
+                      r"\(duplicate_of=main\)"):  # fmt: skip
         rows = run("org/dup", tmp_path)
     by = {r["revision"]: r for r in rows}
     assert sorted(by) == ["step100", "step150", "step200", "step250", "step300"]
-    for name in ("step150", "step250", "step300"):  # flagged as a whole: which of them is right, the hub cannot say
+    for name in ("step150", "step250"):
         assert by[name]["duplicate_of"] == "main" and by[name]["duplicate_group"] == ["step150", "step250", "step300", "main"]
         assert by[name]["duplicate_kind"] == "identical"
-    assert by["step100"]["duplicate_of"] is None and by["step200"]["duplicate_of"] is None
-    assert [r["revision"] for r in merged_records(tmp_path)] == ["step100", "step200"]  # the trajectory and its stages
+    assert by["step100"]["duplicate_of"] is None and by["step200"]["duplicate_of"] is None and by["step300"]["duplicate_of"] is None
+    assert by["step250"]["measured_as"] == by["step300"]["measured_as"] == "step150"  # one task, measured once
+    assert [r["revision"] for r in merged_records(tmp_path)] == ["step100", "step200", "step300"]  # the trajectory and its stages
     md = build_report([tmp_path], tmp_path / "rep").read_text()
     section = md[md.index("Duplicated weights") :]
     assert "step150, step250, step300" in section and "main" in section
     # skip_duplicates: flagged from the hub's metadata before any download, never fetched
     before = len(hub.downloads())
     skipped = run("org/dup", tmp_path / "skip", skip_duplicates=True)
-    assert [r["revision"] for r in skipped] == ["step100", "step200"]
+    assert sorted(r["revision"] for r in skipped) == ["step100", "step200", "step300"]
     fetched = hub.downloads()[before:]
-    assert fetched and not [p for p in fetched if any(hub.commit_of("org/dup", b) in p for b in ("step150", "step250", "step300"))]
+    assert fetched and not [p for p in fetched if any(hub.commit_of("org/dup", b) in p for b in ("step150", "step250"))]
 
 
-def test_a_shared_shard_flags_both_revisions(hub, tmp_path):
-    with pytest.warns(RuntimeWarning, match=rf"step10, step30 share weight files \({SHARD}\)"):
+def test_a_shared_shard_flags_the_branch_that_is_not_the_final_step(hub, tmp_path):
+    """pythia#206: step10's first shard is the final step's (step30's): step10 is the wrong branch."""
+    with pytest.warns(RuntimeWarning, match=rf"step10, step30 share weight files \({SHARD}\) — step10 flagged \(duplicate_of=step30\)"):
         rows = run("org/shard", tmp_path)
     by = {r["revision"]: r for r in rows}
-    assert by["step10"]["duplicate_of"] == "step10" and by["step30"]["duplicate_of"] == "step10"
-    assert by["step30"]["duplicate_kind"] == f"shared files: {SHARD}"
-    assert by["step20"]["duplicate_of"] is None
-    assert [r["revision"] for r in merged_records(tmp_path)] == ["step20"]
+    assert by["step10"]["duplicate_of"] == "step30" and by["step10"]["duplicate_kind"] == f"shared files: {SHARD}"
+    assert by["step20"]["duplicate_of"] is None and by["step30"]["duplicate_of"] is None
+    assert [r["revision"] for r in merged_records(tmp_path)] == ["step20", "step30"]
 
 
 def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
@@ -206,7 +213,7 @@ def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
         warnings.simplefilter("error")  # every fingerprint read from metadata: no warning
         fp = fingerprints("org/dup", [*revs, *main_ref], offline=False)
     flags = find_duplicates(revs, fp, aliases=main_ref)
-    assert sorted(flags) == ["step150", "step250", "step300"] and {g.duplicate_of for g in flags.values()} == {"main"}
+    assert sorted(flags) == ["step150", "step250"] and {g.duplicate_of for g in flags.values()} == {"main"}
     assert len(hub.downloads()) == before
     # and `sinkwatch replay --plan` shows them, or drops them with --skip-duplicates
     from sinkwatch.replay import format_plan
@@ -217,10 +224,10 @@ def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
     weights_before = weights_fetched()
     plan = replay_plan("org/dup", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS)
     flagged = {p.rev.name: p.duplicate_of for p in plan.revisions if p.duplicate_of}
-    assert flagged == dict.fromkeys(["step150", "step250", "step300"], "main")
+    assert flagged == dict.fromkeys(["step150", "step250"], "main")
     assert "step250" in format_plan(plan) and "(duplicate of main)" in format_plan(plan)
     skipped = replay_plan("org/dup", out_dir=tmp_path, probes=PROBES, tokens_per_step=TPS, skip_duplicates=True)
-    assert not {"step150", "step250", "step300"} & {p.rev.name for p in skipped.revisions}
+    assert not {"step150", "step250"} & {p.rev.name for p in skipped.revisions} and "step300" in {p.rev.name for p in skipped.revisions}
     assert weights_fetched() == weights_before  # no weights fetched by either plan
 
 
@@ -264,7 +271,9 @@ def test_a_folder_of_checkpoints_is_a_run_and_a_rewritten_checkpoint_is_measured
     for spelling in (f"{run_dir}/", os.path.relpath(run_dir)):
         assert main([argv[0], spelling, *argv[2:]]) == 0 and len(store_rows(tmp_path / "store")) == 2
     build("llama", seed=2).save_pretrained(run_dir / "checkpoint-1000")  # rewritten in place
-    assert main(argv) == 0
+    with pytest.warns(RuntimeWarning, match="checkpoint-1000 changed on disk since .* --rewrite-manifest"):
+        assert main(argv) == 0 and len(store_rows(tmp_path / "store")) == 2  # the plan's weights, recorded: nothing new
+    assert main([*argv, "--rewrite-manifest"]) == 0
     recs = store_rows(tmp_path / "store")
     assert [r["revision"] for r in recs] == ["checkpoint-200", "checkpoint-1000", "checkpoint-1000"]
 
@@ -304,7 +313,7 @@ def test_an_ablation_at_a_branch_that_moved_is_run_again_and_names_its_commit(hu
     run("org/abl", tmp_path, ablate=True, ablation_revision="main")
     old = hub.commit_of("org/abl", "main")
     new = hub.move_branch("org/abl", "main", weights["w2"])
-    assert run("org/abl", tmp_path, ablate=True, ablation_revision="main") == []  # step100 is done
+    assert run("org/abl", tmp_path, ablate=True, ablation_revision="main", rewrite_manifest=True) == []  # step100 is done
     assert [p for p in hub.downloads("model.") if new in p], "the moved main was never fetched: its old ablation was kept as done"
     ablation = read_ablation(tmp_path)
     assert ablation["status"] == "ok" and ablation["commit"] == new

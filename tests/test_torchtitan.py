@@ -7,7 +7,6 @@ kernel takes ~45 s per shape to build on this CPU, and has no backward on CPU at
 
 import dataclasses
 import math
-import sys
 
 import independent as ind
 import numpy as np
@@ -170,10 +169,9 @@ def test_the_probe_reaches_the_logits_when_the_trainer_skips_lm_head():
     assert got["induction_target"]["loss"] == want["induction_target"]["loss"] and got["sink_alpha"] == want["sink_alpha"]
 
 
-def test_the_context_is_the_rope_cache_the_trainer_sized(monkeypatch):
+def test_the_context_is_the_rope_cache_the_trainer_sized():
     """Trainer's ``update_from_config`` sizes the RoPE cache to ``training.seq_len``: a longer probe is refused
     up front instead of failing inside the rotary embedding."""
-    _without_datasets(monkeypatch)
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     config = llama3_debugmodel()
@@ -187,18 +185,8 @@ def test_the_context_is_the_rope_cache_the_trainer_sized(monkeypatch):
         Monitor([InductionProbe(n=2, seq_len=64, vocab_range=(2, 100))]).probe(model)
 
 
-def _without_datasets(monkeypatch):
-    """torchtitan.trainer imports ``datasets``; where it is absent a module that refuses every use stands in
-    (tests/torchtitan_helpers.py; no test here loads a dataset)."""
-    from torchtitan_helpers import datasets_stand_in
-
-    for name, module in datasets_stand_in().items():
-        monkeypatch.setitem(sys.modules, name, module)
-
-
 @pytest.fixture
-def trainer_module(monkeypatch):
-    _without_datasets(monkeypatch)
+def trainer_module():
     import sinkwatch.torchtitan
 
     return sinkwatch.torchtitan
@@ -299,11 +287,10 @@ def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_p
         setattr(trainer.parallel_dims, f"{kind}_enabled", False)
 
 
-def test_module_flag_through_torchtitans_config_manager(monkeypatch, capsys, tmp_path):
+def test_module_flag_through_torchtitans_config_manager(capsys, tmp_path):
     """``--module sinkwatch.torchtitan --config <a llama3/qwen3 config of torchtitan's>``, parsed by torchtitan's own
     ConfigManager (what ``python -m torchtitan.train`` runs): the stock config as a SinkWatchTrainer.Config, whose
     ``build()`` (train.py's next call) constructs a SinkWatchTrainer, with every sinkwatch option settable."""
-    _without_datasets(monkeypatch)
     import dataclasses
 
     from torchtitan.config import ConfigManager

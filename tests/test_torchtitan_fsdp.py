@@ -48,9 +48,7 @@ def launch(tmp_path_factory):
 
 @pytest.fixture
 def torchtitan_here(monkeypatch):
-    """The datasets stand-in (torchtitan's config registries import its loaders) and eager FlexAttention."""
-    for name, module in th.datasets_stand_in().items():
-        monkeypatch.setitem(sys.modules, name, module)
+    """FlexAttention uncompiled, as in the launched cells (tests/torchtitan_helpers.eager_flex)."""
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
 

@@ -124,7 +124,9 @@ def assert_same(got: dict, records, *, rel: float = 0.0):
             assert key in got, key
             assert r["step"] in got[key], (key, r["step"])
             assert got[key][r["step"]] == pytest.approx(value, rel=rel, abs=0 if rel == 0 else 1e-7), (key, r["step"])
-    assert all(sorted(steps) == PROBED for steps in got.values())  # nothing at other steps, nothing twice
+    # nothing at other steps; a key is absent at a step where its value is undefined (NaN: e.g. p0_persistence
+    # when the emergence block is the last one), and present wherever the record has it (the loop above)
+    assert all(set(steps) <= set(PROBED) for steps in got.values())
 
 
 # ---- Lightning: TensorBoard + CSV + MLflow loggers ------------------------------------------------

@@ -1,31 +1,10 @@
-"""What the torchtitan tests share (tests/test_torchtitan.py, tests/torchtitan_cells.py): the ``datasets``
-stand-in module, FlexAttention run eagerly (with a dense attention where CPU has no Flex backward), the
-small probe sets, and the stand-in trainer of torchtitan's own unit tests, built from the real parts."""
+"""What the torchtitan tests share (tests/test_torchtitan.py, tests/torchtitan_cells.py): FlexAttention run
+eagerly (with a dense attention where CPU has no Flex backward), the small probe sets, and the stand-in
+trainer of torchtitan's own unit tests, built from the real parts."""
 
 from __future__ import annotations
 
-import importlib.util
-import types
-
 import torch
-
-
-def datasets_stand_in() -> dict[str, types.ModuleType]:
-    """torchtitan.trainer imports its Hugging Face data loaders, which import ``datasets``; datasets < 4.8 (its
-    pin) would downgrade this environment's fsspec, so where it is absent a module that refuses every use
-    stands in for it (no test here loads a dataset). The modules to put in ``sys.modules``; none where
-    ``datasets`` is installed."""
-    if importlib.util.find_spec("datasets") is not None:
-        return {}
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("datasets is not installed (a stand-in module)")
-
-    stub = types.ModuleType("datasets")
-    stub.Dataset, stub.load_dataset = type("Dataset", (), {}), refuse
-    stub.distributed = types.ModuleType("datasets.distributed")
-    stub.distributed.split_dataset_by_node = refuse
-    return {"datasets": stub, "datasets.distributed": stub.distributed}
 
 
 def eager_flex(*, trainable: bool = False) -> None:

@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .sublayers import find_sublayers, norm_children
+
 
 class Collector(Protocol):
     """What a probe computes from one forward; every method sees one micro-batch."""
@@ -51,6 +53,14 @@ class Collector(Protocol):
 
     def on_block_output(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden (B, S, d): the residual stream after block ``layer``."""
+
+    def on_block_input(self, layer: int, hidden: torch.Tensor) -> None:
+        """hidden (B, S, d): the residual stream entering block ``layer`` (block 0: the embeddings
+        as the blocks see them, after any scaling or embedding norm)."""
+
+    def on_sublayer_output(self, layer: int, kind: str, output: torch.Tensor) -> None:
+        """output (B, S, d): what block ``layer``'s sublayer ``kind`` (``"attention"``, ``"mlp"``)
+        writes into the residual stream (``capture/sublayers.py``)."""
 
 
 class UnsupportedModelError(TypeError):
@@ -84,6 +94,8 @@ class CaptureSession:
     _pending: dict = field(default_factory=dict)  # id(output projection) -> (layer, attention output)
     _projections: dict = field(default_factory=dict)  # id(output projection) -> hook handle
     _muted: bool = False  # extra forwards (losses of a head sinkwatch cannot reproduce) are not measured
+    _written: dict = field(default_factory=dict)  # kind -> (layer, sublayer output) not yet handed on
+    _post_norm: dict = field(default_factory=dict)  # id(norm) -> (layer, kind): a norm consuming a sublayer output
 
     @contextlib.contextmanager
     def muted(self) -> Iterator[None]:
@@ -103,6 +115,8 @@ class CaptureSession:
         self._block = None
         self._called = set()
         self._pending = {}
+        self._written = {}
+        self._post_norm = {}
 
     def end(self) -> None:
         called = tuple(sorted(self._called))
@@ -208,18 +222,29 @@ class CaptureSession:
 
     # ---- block hooks ----
     def hooks(self) -> list:
-        """Pre-hooks saying which block runs; hooks handing each block's output (the residual stream)
-        to the collector. Remove them (and the output-projection hooks) with ``remove``."""
+        """Pre-hooks saying which block runs (block 0's also reads the embeddings); hooks handing each
+        block's output (the residual stream) and its sublayers' outputs to the collector. Remove them
+        (and the output-projection hooks) with ``remove``."""
         handles = []
         for i, block in enumerate(self.blocks):
-            handles.append(block.register_forward_pre_hook(self._enter(i)))
+            handles.append(block.register_forward_pre_hook(self._enter(i), with_kwargs=True))
             handles.append(block.register_forward_hook(self._leave(i)))
+            for kind, sublayer in find_sublayers(block).items():
+                handles.append(sublayer.register_forward_hook(self._sublayer_out(i, kind)))
+            for norm in norm_children(block):
+                handles.append(norm.register_forward_pre_hook(self._norm_in))
+                handles.append(norm.register_forward_hook(self._norm_out))
         return handles
 
     def _enter(self, i: int):
-        def hook(_module, _args):
-            if not self._muted:
-                self._block = i
+        def hook(_module, args, kwargs):
+            if self._muted:
+                return
+            self._block = i
+            if i == 0:
+                hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+                if isinstance(hidden, torch.Tensor):
+                    self.collector.on_block_input(i, hidden)
 
         return hook
 
@@ -228,11 +253,39 @@ class CaptureSession:
             if self._muted:
                 return
             self._flush(i)
+            for kind, (layer, out) in list(self._written.items()):  # no post-norm took it: written as it is
+                if layer == i:
+                    del self._written[kind]
+                    self.collector.on_sublayer_output(i, kind, out)
             self._block = None
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             self.collector.on_block_output(i, hidden)
 
         return hook
+
+    def _sublayer_out(self, i: int, kind: str):
+        def hook(_module, _args, output):
+            if self._muted:
+                return
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor):
+                self._written[kind] = (i, out)
+
+        return hook
+
+    def _norm_in(self, module, args):
+        """A norm whose input is a sublayer's very output tensor is that sublayer's post-norm."""
+        if self._muted or not args:
+            return
+        for kind, (layer, out) in list(self._written.items()):
+            if args[0] is out:
+                del self._written[kind]
+                self._post_norm[id(module)] = (layer, kind)
+
+    def _norm_out(self, module, _args, output):
+        taken = self._post_norm.pop(id(module), None)
+        if taken is not None and isinstance(output, torch.Tensor):
+            self.collector.on_sublayer_output(taken[0], taken[1], output)
 
     def remove_projection_hooks(self) -> None:
         for h in self._projections.values():

@@ -86,6 +86,12 @@ class _HeldFaults:
     def on_block_output(self, layer, hidden):
         self._call("on_block_output", layer, hidden)
 
+    def on_block_input(self, layer, hidden):
+        self._call("on_block_input", layer, hidden)
+
+    def on_sublayer_output(self, layer, kind, output):
+        self._call("on_sublayer_output", layer, kind, output)
+
 
 class GroupForwards(ProbeTarget):
     """``inner`` as the probe of ``step`` runs it in ``group``: each forward on the group's unanimous go,

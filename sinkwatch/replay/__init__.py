@@ -1,4 +1,4 @@
-"""Replay published training checkpoints (SPEC §8): one record per revision, resumable, shardable.
+"""Replay published training checkpoints (SPEC §8): one record per revision, resumable, on any engine.
 
     sinkwatch replay pythia-1b                      # a packaged recipe (or recipes/pythia-1b.yaml)
     sinkwatch replay EleutherAI/pythia-410m --log-spaced 8 --out runs/pythia-410m
@@ -7,27 +7,29 @@ Each revision is downloaded by the commit its branch resolved to (or read from a
 cache when ``HF_HUB_OFFLINE=1``), probed with the same ``Monitor`` as a live run, and written as one
 record to ``DIR/records/KEY.json`` (one file per done key, written whole). A record is written only once complete;
 a revision done anywhere in the store is skipped; a revision that fails is recorded with its reason
-and the others go on. Any number of workers share one store (``claims``).
+and the others go on. The plan is the store's manifest, written once; engines (Slurm arrays, submitit,
+Ray) schedule its tasks, and plain workers share them by a stride and one pass (``run``).
 
 One module per idea:
 
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
 - ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache);
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
-- ``store``: the replay key, the done key, the workers' files and merged reading;
+- ``store``: the replay key, the done key, the record files;
+- ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
 - ``workers``: who this worker is, whatever launched it;
-- ``manifest``: refs, commits, fingerprints, duplicate groups and tasks, computed once (``DIR/manifest.json``);
-- ``claims``: the best-effort claim mode: which worker measures which revision (exclusive files, heartbeat, takeover);
-- ``liveness``: whether another process is alive (an ``flock`` only a live process holds);
-- ``signals``: SIGTERM as an exception, so a replay frees what it holds;
-- ``fetch``: download by commit, prefetch, retries, eviction;
+- ``manifest``: the plan: refs, commits, fingerprints, duplicate groups and named tasks, written once (``DIR/manifest.json``);
+- ``attempts``: one attempt at a task: its own download folder, and a marker saying it began;
+- ``signals``: SIGTERM as an exception, so a replay writes its failed rows before it exits;
+- ``fetch``: download by commit into the task's folder, prefetch, retries;
 - ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);
 - ``ablation``: the paper's group ablation at one revision (``DIR/ablation.json``);
-- ``prepare``: what one replay measures, resolved once (revisions, protocol, probe sets, replay key, manifest);
-- ``measure``: one revision placed, fetched, probed, written and evicted (and the ablation, once);
+- ``prepare``: what one replay measures, resolved once (the manifest and its tasks, protocol, probe sets, replay key);
+- ``measure``: one task placed, fetched, probed, written and its folder emptied (and the ablation, once);
 - ``devices``: a worker's device, the out-of-memory retry, peak memory, memory given back;
-- ``run``: the claim mode's loop (``replay``, ``replay_plan``);
-- ``unit``: the engines' side: ``write_manifest``, the per-revision unit ``replay_revision``, ``finalize``.
+- ``run``: workers without an engine: a stride of the tasks, then one pass (``replay``, ``replay_plan``);
+- ``unit``: the engines' side: ``write_manifest``, the per-task unit ``replay_revision``, ``failed_tasks``, ``finalize``;
+- ``ray_limits``: a time limit for Ray tasks (``run_with_limit``: ``ray.wait``, cancel).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from .ablation import (
     read_ablation,
     run_ablation,
 )
-from .claims import ClaimConfig
 from .fetch import FetchConfig
-from .manifest import MANIFEST_FILE, Manifest, read_manifest
+from .manifest import MANIFEST_FILE, Manifest, Task, array_range, read_manifest
+from .merged import duplicate_groups, merged_records
 from .plan import Plan, format_plan
+from .ray_limits import run_with_limit
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
 from .revisions import (
     Revision,
@@ -69,7 +72,6 @@ from .store import (
     failed_revisions,
     key_difference,
     key_of,
-    merged_records,
     parse_shard,
     record_files,
     replay_key,
@@ -85,19 +87,21 @@ __all__ = [
     "RevisionFailed",
     "PAPER_ABLATION_DTYPE",
     "PAPER_CONTROL_RULE",
-    "ClaimConfig",
     "FetchConfig",
     "Plan",
     "Recipe",
     "ReplayStore",
     "Revision",
     "StoreMismatchError",
+    "Task",
     "Worker",
     "ablation_key",
+    "array_range",
     "check_ablation",
     "check_hub",
     "detect_worker",
     "done_key",
+    "duplicate_groups",
     "failed_revisions",
     "failed_tasks",
     "finalize",
@@ -125,6 +129,7 @@ __all__ = [
     "revision_step",
     "revision_tokens",
     "run_ablation",
+    "run_with_limit",
     "runs_of",
     "select_log_spaced",
     "shard_from_env",

@@ -350,6 +350,22 @@ def load_lightning(spec: str | None, path: str | os.PathLike):
         ) from exc
 
 
+def check_local_names(run: LocalRun | None, names: Sequence[str] | None) -> None:
+    """Names asked of a local run (``--revisions``) must be its checkpoints; on one model folder there are none to ask for."""
+    if run is None or names is None:
+        return
+    if run.single:
+        raise ValueError(
+            f"--revisions on {run.root}, which is one checkpoint ({run.kind}): every name would measure the same weights under "
+            f"another label. Replay the folder that holds the checkpoints (checkpoint-N/, stepN/, *.ckpt) or probe this "
+            f"one once with `sinkwatch probe {run.root}`"
+        )
+    have = {r.name for r in run.revisions}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise FileNotFoundError(f"{run.root} has no checkpoint {missing}; it has {sorted(have)}")
+
+
 def describe(run: LocalRun) -> str:
     return f"{run.root} ({run.kind}, {len(run.revisions)} checkpoint(s))"
 

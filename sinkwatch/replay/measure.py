@@ -1,13 +1,16 @@
-"""Measuring one revision (SPEC §8), as the claim loop (``run``) and the engines' unit (``unit``) both do:
+"""Measuring one task (SPEC §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
 
-1. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
-2. ``fetch``: downloaded by commit on one background thread (``fetch.Fetcher``; the loop starts the next
-   download while this one is probed);
-3. ``measure``: loaded straight onto its device(s), probed with the live ``Monitor`` (an out-of-memory
+1. ``begin``: the task's attempt starts (``attempts``: its own download folder emptied, its marker
+   written); a member whose weights the manifest could not read is asked about again, and flagged
+   when that finds a duplicate;
+2. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
+3. ``fetch``: downloaded by commit into the task's folder on one background thread (``fetch.Fetcher``;
+   the loop starts the next task's download while this one is probed);
+4. ``measure``: loaded straight onto its device(s), probed with the live ``Monitor`` (an out-of-memory
    probe is retried once at half ``batch_tokens``), the paper protocol's float16 PR pass after the
-   float32 model is freed, stages derived over the whole store in step order;
-4. ``write``: one complete record (ok or failed) in the store, the claim released, the revision evicted
-   from the cache and the device cache emptied.
+   float32 model is freed, stages derived over the store in step order;
+5. ``write``: one complete record per member not yet recorded (ok or failed; a second finished result
+   for a key already recorded is dropped), then the attempt ends: its folder emptied, its marker gone.
 
 The group ablation, once its revision is recorded, is measured here too.
 """
@@ -17,67 +20,66 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..loading import HubUnreachableError, load_model, loaded_attention
+from ..loading import HubUnreachableError, hub_offline, load_model, loaded_attention
 from ..monitor import PAPER_PR_SEQUENCES, Monitor
 from ..probes import ProbeSet
 from ..stages import StageTracker
+from . import attempts
 from .ablation import ablation_key, read_ablation, run_ablation
-from .claims import ClaimConfig, Claims
 from .devices import empty_device_cache, oom_retry, peaks, release_memory, reset_peaks, worker_device
 from .fetch import FetchConfig, Fetcher
+from .manifest import Task
 from .plan import ModelShape, Placement, device_budgets, place, revision_config
 from .prepare import ReplaySetup
 from .progress import _counter, _status
-from .provenance import provenance
+from .provenance import provenance, weights_of
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .signals import Terminated
 from .store import ReplayStore, done_key, store_group
 from .workers import Worker, detect_worker
 
+_PER_REVISION = ("written_at", "run", "stage", "path", "duplicate_group", "duplicate_kind", "p0_stage", "induction_state",
+                 "weights_unverified")  # fmt: skip
+
 
 @dataclass
 class Job:
+    """One attempt at a task: the member measured (``rev``) and the members it records (``todo``)."""
+
+    task: Task
     rev: Revision
-    item: str  # the claim: the revision's done key
+    todo: list[Revision]
+    folder: Path | None = None
     placement: Placement | None = None
     error: BaseException | None = None
+    reuse: dict | None = None  # a member's record from an earlier attempt: the same weights, not measured again
+    path: Path | None = None
+    active: bool = False  # this worker is measuring it (not only downloading it ahead)
+    written: list[str] = field(default_factory=list)  # members whose record this attempt published
 
 
 class Measurer:
-    """One worker's means to measure revisions into the store ``out_dir``: its store, claims, fetcher,
-    monitors, reporter and progress bar. ``run._Loop`` claims revisions and feeds them through it;
-    ``unit._UnitLoop`` measures one task."""
+    """One worker's means to measure tasks into the store ``out_dir``: its store, fetcher, monitors,
+    reporter and progress bar. ``run._Loop`` feeds a stride of the manifest's tasks through it;
+    ``unit._UnitLoop`` one task."""
 
-    def __init__(
-        self, s: ReplaySetup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, claims: ClaimConfig | None, max_memory,
-        protect: set[str] = frozenset(),
-    ):  # fmt: skip
+    def __init__(self, s: ReplaySetup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, max_memory):
         self.s = s
         self.out_dir = out_dir
         self.worker = detect_worker()
-        if self.worker.launcher == "local-rank":
-            warnings.warn(
-                f"sinkwatch replay: LOCAL_RANK={self.worker.local_rank} without WORLD_SIZE: this process is one worker of an "
-                "unknown number; it claims revisions in the store like any other (nothing is skipped)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
         self.store = ReplayStore(out_dir, self.worker)
         self._check_store()
         self.device = worker_device(device, self.worker)
         self.cache_dir = cache_dir
         self.fetch_config = fetch
         self.max_memory = max_memory
-        self.claims = self._claims(out_dir, claims)
-        self.fetcher = Fetcher(
-            s.recipe.model, cache_dir=cache_dir, config=fetch, worker_id=self.worker.id, progress=progress, protect=protect
-        )
+        self.fetcher = Fetcher(s.recipe.model, cache_dir=cache_dir, config=fetch, progress=progress)
         self.pr_monitor = None
         cfg = s.cfg
         if s.protocol == "paper" and cfg.participation_ratio and any(p.kind == "induction" for p in s.probes):
@@ -86,43 +88,95 @@ class Measurer:
             cfg = dataclasses.replace(cfg, participation_ratio=False)
         self.monitor = Monitor(s.probes, config=cfg)
         self.reporter = _replay_wandb(wandb, out_dir, s.recipe, self.worker)
-        self.bar = _counter(len(s.mine), progress, s.recipe.model)
+        self.bar = _counter(len(s.tasks), progress, s.recipe.model)
         self._shapes: dict[str, ModelShape] = {}
-        self._kept: tuple[Revision, Path] | None = None  # the ablation revision, on disk until the ablation ran
+        self._kept: tuple[Revision, Path, str] | None = None  # the ablation revision, on disk until the ablation ran
+        self.open: dict[str, Job] = {}  # task -> its attempt, begun and not ended
 
     def _check_store(self) -> None:
         self.store.check(self.s.key)
 
-    def _claims(self, out_dir, config: ClaimConfig | None):
-        return Claims(out_dir, self.worker, config)
+    def key(self, rev: Revision) -> str:
+        return done_key(self.s.key, rev.name, rev.commit)
 
-    def _start(self, rev: Revision) -> Job:
-        """Decide where ``rev`` goes (from its config alone), then start its download."""
-        job = Job(rev, done_key(self.s.key, rev.name, rev.commit))
-        if rev.path is not None:
+    # ---- an attempt -----------------------------------------------------------------------------------
+    def _start(self, task: Task) -> Job | None:
+        """Begin an attempt at ``task`` (None: every member it must record is recorded), decide where its
+        revision goes (from its config alone), then start its download."""
+        todo = [r for r in self.s.needed(task) if not self.store.is_done(self.key(r))]
+        if not todo:
+            return None
+        job = Job(task, todo[0], todo)
+        job.folder = attempts.begin(self.out_dir, task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+        self.open[task.name] = job
+        try:
+            self._verify(job)
+        except Exception as exc:  # noqa: BLE001 - recorded with the task
+            job.error = exc
+        if not job.todo:
+            return job
+        for m in [self.s.rev(n) for n in task.members]:
+            if self.store.is_done(self.key(m)):
+                job.reuse = self.store.read(self.key(m))  # identical weights, measured by an earlier attempt
+                break
+        if job.error is not None or job.reuse is not None or job.rev.path is not None:
             return job  # a local checkpoint: nothing to download, loaded by its source onto this worker's device
         try:
-            job.placement = self._place(rev)
+            job.placement = self._place(job.rev)
             if not job.placement.fits:
-                raise MemoryError(f"{self.s.recipe.model}@{rev.name} {job.placement.reason}")
+                raise MemoryError(f"{self.s.recipe.model}@{job.rev.name} {job.placement.reason}")
         except HubUnreachableError:
             raise
-        except Exception as exc:  # noqa: BLE001 - recorded with the revision
+        except Exception as exc:  # noqa: BLE001 - recorded with the task
             job.error = exc
             return job
         if self.fetch_config.prefetch:
-            self.fetcher.prefetch(rev)
+            self.fetcher.prefetch(job.rev, job.folder)
         return job
 
+    def _verify(self, job: Job) -> None:
+        """What the manifest could not say of the members' weights, asked again: a member whose weights are
+        read now is checked for duplicates over the whole listing (under --skip-duplicates a flagged one is
+        recorded as skipped, not measured); one still unknown is measured and drawn, marked unverified."""
+        s = self.s
+        changed = [r.name for r in job.todo if r.name in s.changed]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} changed on disk since {self.out_dir}/manifest.json was written (its weights are no longer "
+                "the ones planned): write the plan again with --rewrite-manifest"
+            )
+        learned = {}
+        for r in job.todo:
+            if r.path is not None or r.name in s.source.weights:
+                continue
+            try:
+                learned[r.name] = weights_of(s.recipe.model, r, cache_dir=self.cache_dir, offline=hub_offline(), policy=self.fetch_config)
+            except Exception as exc:  # noqa: BLE001 - measured anyway, marked unverified
+                s.unverified[r.name] = f"{type(exc).__name__}: {exc}"
+        if not learned:
+            return
+        s.source.weights.update(learned)
+        groups = s.manifest.groups(extra=s.source.weights)
+        for r in job.todo:
+            if r.name in groups:
+                s.flags[r.name] = groups[r.name]
+        if s.skip_duplicates:
+            for r in [r for r in job.todo if r.name in s.flags]:
+                self._write({**self._base(r), "status": "skipped", "reason": "--skip-duplicates: " + s.flags[r.name].describe()}, job)
+            job.todo = [r for r in job.todo if r.name not in s.flags]
+            job.rev = job.todo[0] if job.todo else job.rev
+
     def _await(self, job: Job) -> Path | None:
-        if job.error is not None:
+        job.active = True
+        if job.error is not None or job.reuse is not None or not job.todo:
             return None
         _status(self.bar, job.rev.name, "download")
         try:
-            return self.fetcher.fetch(job.rev)
+            job.path = self.fetcher.fetch(job.rev, job.folder)
+            return job.path
         except HubUnreachableError:
             raise
-        except Exception as exc:  # noqa: BLE001 - recorded with the revision
+        except Exception as exc:  # noqa: BLE001 - recorded with the task
             job.error = exc
             return None
 
@@ -144,48 +198,105 @@ class Measurer:
         """What a row says it measured, ok or failed: the commit, the weights' fingerprint, a duplicate
         flag, the versions (``provenance``), the protocol label and what changed it, this worker."""
         s = self.s
-        return {
+        out = {
             **provenance(rev, s.source.weights.get(rev.name), s.flags.get(rev.name)),
             **s.label.record_fields(),
             "worker": self.worker.id,
         }
+        if rev.name in s.unverified:
+            out["weights_unverified"] = s.unverified[rev.name]  # drawn, but its weights were never checked against the others'
+        return out
 
-    def _measure(self, job: Job, path: Path | None) -> dict | None:
-        rev, recipe = job.rev, self.s.recipe
-        # a failed row says which measurement failed, as an ok one does (its replay key and dtype)
-        base = {
-            "model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens,
-            "dtype": self.s.dtype, "replay_key": self.s.key, **self._about(rev),
-        }  # fmt: skip
-        row = None
-        if job.error is None:
+    def _base(self, rev: Revision) -> dict:
+        """What every row of ``rev`` says, ok or failed: which measurement (its replay key and dtype) of which weights."""
+        recipe = self.s.recipe
+        return {"model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, "dtype": self.s.dtype,
+                "replay_key": self.s.key, **self._about(rev)}  # fmt: skip
+
+    def _write(self, row: dict, job: Job) -> bool:
+        """Publish ``row``; False when its key had a record already (a second finished result: dropped)."""
+        won = self.store.write(row)
+        if won and row.get("status") != "failed":
+            job.written.append(row["revision"])
+        return won
+
+    def _measure(self, job: Job, path: Path | None) -> list[dict]:
+        """Measure the task's revision once (or take an earlier attempt's record of identical weights) and
+        write a row for every member it records; returns the rows written."""
+        recipe = self.s.recipe
+        rows: list[dict] = []
+        if not job.todo:
+            return rows
+        row = job.reuse
+        if job.error is None and row is None:
             try:
-                row = self._probe(rev, path, job.placement)
+                row = self._probe(job.rev, path, job.placement)
             except HubUnreachableError:
                 raise
             except Exception as exc:  # noqa: BLE001 - missing revision, out of memory twice, a bad checkpoint...
                 job.error = exc
         if job.error is not None:
-            row = {**base, "status": "failed", "error": f"{type(job.error).__name__}: {job.error}"}
-            warnings.warn(f"sinkwatch replay: {recipe.model}@{rev.name} failed ({row['error']}); continuing", RuntimeWarning, stacklevel=2)
-        if self.claims.lost(job.item):
-            warnings.warn(
-                f"sinkwatch replay: {rev.name} was taken over by another worker while this one was silent; its result is not written",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        self.store.write(row)  # only a complete record is ever written, and once per done key
-        self.claims.release(job.item, failed=row["status"] == "failed")
-        if self.reporter is not None and row["status"] == "ok":
+            error = f"{type(job.error).__name__}: {job.error}"
+            warnings.warn(f"sinkwatch replay: {recipe.model}@{job.rev.name} failed ({error}); continuing", RuntimeWarning, stacklevel=2)
+            return self.write_failed(job, error)
+        for m in job.todo:
+            if job.reuse is None and m.name == job.rev.name:
+                out = row
+            else:  # the same numbers under this member's own name, commit and flags (``measured_as``: the revision probed)
+                out = {k: v for k, v in row.items() if k not in _PER_REVISION}
+                out.update({"revision": m.name, "step": m.step, "tokens": m.tokens, **self._about(m),
+                            "measured_as": row.get("measured_as") or row["revision"]})  # fmt: skip
+                self._tracker_before(m).update(out)
+            if self._write(out, job):
+                rows.append(out)
+                self._log(out)
+        return rows
+
+    def write_failed(self, job: Job, error: str) -> list[dict]:
+        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted)."""
+        rows = []
+        for m in job.todo:
+            if m.name in job.written or self.store.is_done(self.key(m)):
+                continue
+            row = {**self._base(m), "status": "failed", "error": error}
+            self.store.write(row)
+            rows.append(row)
+        return rows
+
+    def _log(self, row: dict) -> None:
+        if self.reporter is None or row.get("status") != "ok":
+            return
+        try:
+            self.reporter.log_record(row)
+        except Exception as exc:  # noqa: BLE001 - logging never stops a replay
+            warnings.warn(f"sinkwatch replay: W&B logging failed ({exc}); records are in {self.store.path}", RuntimeWarning, stacklevel=2)
+            self.reporter = None
+
+    def _end(self, job: Job) -> None:
+        """The attempt is over: its folder emptied (the ablation revision's stays until the ablation ran),
+        its marker gone, the device cache emptied."""
+        keep = self.fetch_config.keep_cache
+        if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not keep:
+            self._kept = (job.rev, job.path, job.task.name)
+            keep = True
+        attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=keep)
+        self.open.pop(job.task.name, None)
+        empty_device_cache()
+
+    def abandon(self, exc: BaseException, *, every: bool = False) -> None:
+        """Interrupted (SIGTERM, a KeyboardInterrupt from Ray's cancel, an exception): the attempts in flight
+        end; the one being measured (``every``: each) writes its failed rows, saying why."""
+        why = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, KeyboardInterrupt):
+            why = "KeyboardInterrupt: interrupted (Ctrl-C, or Ray's cancel of a task past its time limit)"
+        for job in list(self.open.values()):
             try:
-                self.reporter.log_record(row)
-            except Exception as exc:  # noqa: BLE001 - logging never stops a replay
-                warnings.warn(
-                    f"sinkwatch replay: W&B logging failed ({exc}); records are in {self.store.path}", RuntimeWarning, stacklevel=2
-                )
-                self.reporter = None
-        return row
+                if job.active or every:
+                    self.write_failed(job, why)
+            except OSError as err:  # a full disk fails the failed row too: the task stays unrecorded, as --failed-tasks says
+                warnings.warn(f"sinkwatch replay: no failed row for task {job.task.name} ({err})", RuntimeWarning, stacklevel=2)
+            attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            self.open.pop(job.task.name, None)
 
     def _probe(self, rev: Revision, path: Path, placement: Placement | None) -> dict:
         recipe, dtype = self.s.recipe, self.s.dtype
@@ -274,14 +385,6 @@ class Measurer:
             tracker.update(dict(r))
         return tracker
 
-    def _done_with(self, job: Job, path: Path | None) -> None:
-        """Evict the revision (the ablation revision stays until the ablation ran) and empty the device cache."""
-        if self.s.ablation == job.rev.name and path is not None and job.error is None:
-            self._kept = (job.rev, path)
-        else:
-            self.fetcher.release(job.rev)
-        empty_device_cache()
-
     # ---- the ablation, once ----
     def _ablation(self) -> None:
         name = self.s.ablation
@@ -294,36 +397,34 @@ class Measurer:
         if stored is not None and stored.get("status") == "ok" and stored.get("ablation_key") == key:
             return
         if listed is not None and not self.store.is_done(done_key(self.s.key, name, rev.commit)):
-            # the ablation uses that revision's record: whoever writes it runs the ablation after its loop
-            if any(r.get("revision") == name and r.get("status") == "failed" for r in self.store.rows()):
-                warnings.warn(
-                    f"sinkwatch replay: no ablation: its revision {name} failed; rerun to retry both", RuntimeWarning, stacklevel=2
-                )
+            # the ablation uses that revision's record
+            row = self.store.read(done_key(self.s.key, name, rev.commit))
+            if row is not None and row.get("status") == "failed":
+                warnings.warn(f"sinkwatch replay: no ablation: its revision {name} failed; rerun to retry both", RuntimeWarning,
+                              stacklevel=2)  # fmt: skip
             return
-        item = "ablation-" + done_key(key, name, rev.commit)
-        if not self.claims.try_claim(item, {"revision": name, "kind": "ablation"}):
-            return  # another worker runs it
-        result = {"status": "failed"}
+        task = f"ablation {name}"
+        kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
+        folder = attempts.begin(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
         try:
-            kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
-            result = run_ablation(
+            run_ablation(
                 self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
                 cache_dir=self.cache_dir, bar=self.bar, commit=rev.commit,
                 # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
-                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev)), dt, None),
+                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev, folder)), dt, None),
             )  # fmt: skip
         finally:
-            self.claims.release(item, failed=result.get("status") != "ok")
-            self.fetcher.release(rev)
-            self._kept = None if self._kept is not None and self._kept[0].name == name else self._kept
+            attempts.end(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            self._drop_kept(name)
+
+    def _drop_kept(self, name: str | None = None) -> None:
+        if self._kept is not None and (name is None or self._kept[0].name == name):
+            attempts.end(self.out_dir, self._kept[2], root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            self._kept = None
 
     def _close(self, *, wait: bool) -> None:
-        if self._kept is not None:
-            self.fetcher.release(self._kept[0])
+        self._drop_kept()
         self.fetcher.close(wait=wait)
-        for item in list(self.claims._held):  # an interrupted worker: free its claims at once
-            self.claims.release(item)
-        self.claims.close()
         if self.reporter is not None:
             self.reporter.finish()
         if self.bar is not None:

@@ -248,6 +248,7 @@ class Plan:
     tflops: float
     keep_cache: bool
     ablation: str | None = None
+    tasks: int | None = None  # the manifest's tasks these revisions make (identical weights: one task)
 
     # ---- derived ----
     def todo(self) -> list[PlannedRevision]:
@@ -298,6 +299,7 @@ def make_plan(
     tflops: float | None = None,
     ablation: str | None = None,
     duplicates: dict[str, str] | None = None,
+    tasks: int | None = None,
 ) -> Plan:
     """The plan of a replay (see the module doc). ``done``: revision names the store already holds;
     ``duplicates``: revision -> the revision whose weights it serves (flagged before any download)."""
@@ -344,6 +346,7 @@ def make_plan(
         tflops=tflops or DEFAULT_TFLOPS["cuda" if str(dev).startswith("cuda") else "cpu"],
         keep_cache=fetch.keep_cache,
         ablation=ablation,
+        tasks=tasks,
     )
 
 
@@ -360,18 +363,19 @@ def _has_hf_config(rev: Revision) -> bool:
 
 
 def _files(model: str, rev: Revision, cache_dir, fetch: FetchConfig) -> tuple[list[RemoteFile], bool]:
-    """What ``rev`` would download, and whether its snapshot is already in the cache."""
-    from huggingface_hub.constants import HF_HUB_CACHE
+    """What ``rev`` would download, and whether the user's cache (``--cache-dir``; offline, the default one
+    too) holds it already — the fetcher then reads it from there."""
+    from .revisions import _cache_repo_dir
 
-    snapshot = Path(cache_dir or HF_HUB_CACHE) / ("models--" + model.replace("/", "--")) / "snapshots" / (rev.commit or "-")
+    snapshot = _cache_repo_dir(model, cache_dir) / "snapshots" / (rev.commit or "-")
     if hub_offline():
         if not snapshot.is_dir():
             return [], False
         return [
             RemoteFile(str(p.relative_to(snapshot)), p.stat().st_size, None, None) for p in sorted(snapshot.rglob("*")) if p.is_file()
         ], True
-    files = call_with_retries(lambda: remote_files(model, rev.commit or rev.name), fetch, f"list {model}@{rev.name}")
-    return files_to_fetch(files), snapshot.is_dir()
+    files = files_to_fetch(call_with_retries(lambda: remote_files(model, rev.commit or rev.name), fetch, f"list {model}@{rev.name}"))
+    return files, cache_dir is not None and all((snapshot / f.path).is_file() for f in files)
 
 
 def format_plan(plan: Plan) -> str:
@@ -427,8 +431,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"device: {plan.device} ({where} free): " + (pl.reason if pl.fits else "REFUSED — " + pl.reason))
     t = plan.seconds()
     lines.append(
-        f"workers: {plan.workers} ({plan.worker_source}); revisions are claimed one at a time, so faster workers take more: "
-        f"~{t['revisions_per_worker']} each"
+        f"workers: {plan.workers} ({plan.worker_source}); each measures a stride of the {plan.tasks or len(plan.revisions)} "
+        f"task(s), then takes what is still missing: ~{t['revisions_per_worker']} revision(s) each"
     )
     if plan.shape is not None and todo:
         lines.append(

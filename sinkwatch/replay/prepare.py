@@ -1,31 +1,32 @@
-"""What a replay measures, resolved once before anything is fetched (SPEC §8): the recipe, the revisions in
-training order (the manifest's: commits, weights, duplicate groups over the whole run), the protocol
-label, the probe sets, the dtype and the replay key — shared by the claim loop (``run``), the plan,
-and the engines' unit and finalize (``unit``)."""
+"""What a replay measures, resolved once before anything is fetched (SPEC §8): the recipe, the manifest
+(the plan: tasks, commits, weights, duplicate groups over the whole run), the tasks this call works on,
+the protocol label, the probe sets, the dtype and the replay key — shared by the workers' loop (``run``),
+the plan, and the engines' unit and finalize (``unit``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..monitor import MonitorConfig
 from .local import is_local
-from .manifest import MANIFEST_FILE, Manifest, local_source
+from .manifest import MANIFEST_FILE, Manifest, Task, local_source
 from .manifest import resolve as resolve_manifest
 from .protocol import ProtocolLabel, resolve_protocol
 from .provenance import DuplicateGroup, warn_duplicates
 from .recipes import Recipe
 from .revisions import Revision, check_hub
 from .source import RevisionSource
-from .store import replay_key
+from .store import check_records, replay_key, stored_records
 
 
 @dataclass
 class ReplaySetup:
     recipe: Recipe
-    revisions: list[Revision]  # every revision of the replay, in training order
-    mine: list[Revision]  # this worker's: all of them, or its static shard
+    manifest: Manifest
+    tasks: list[Task]  # the tasks this call works on, in the manifest's order
     key: dict
     cfg: MonitorConfig
     protocol: str
@@ -35,7 +36,22 @@ class ReplaySetup:
     source: RevisionSource  # where the revisions come from (a hub model or a local folder) and how a local one loads
     label: ProtocolLabel  # what the records say they measured (paper | sinkwatch | custom, and what changed)
     flags: dict[str, DuplicateGroup]  # revisions whose weights are another's (provenance.find_duplicates, over the whole run)
-    manifest: Manifest | None = None
+    skip_duplicates: bool = False
+    changed: set[str] = field(default_factory=set)  # local checkpoints rewritten since the manifest was written
+    unverified: dict[str, str] = field(default_factory=dict)  # revision -> why its weights could not be read
+
+    @property
+    def revisions(self) -> list[Revision]:
+        """Every member of this call's tasks, in training order."""
+        names = {n for t in self.tasks for n in t.members}
+        return [r for r in self.manifest.measured() if r.name in names]
+
+    def rev(self, name: str) -> Revision:
+        return self.manifest.revision(name)
+
+    def needed(self, task: Task) -> list[Revision]:
+        """The members ``task`` records (under --skip-duplicates, not the flagged ones)."""
+        return [self.rev(n) for n in task.members if not (self.skip_duplicates and n in self.flags)]
 
 
 def prepare_replay(
@@ -50,30 +66,38 @@ def prepare_replay(
     monitor_config,
     protocol,
     cache_dir,
-    shard,
     lightning_module=None,
     live_store=None,
     skip_duplicates=False,
     out_dir=None,
-    manifest="reuse",
+    manifest="use",
+    all_revisions=False,
+    rewrite_manifest=False,
+    running=(),
+    policy=None,
 ) -> ReplaySetup:
-    """What to replay and how. ``manifest`` (``manifest.resolve``): ``reuse`` (a worker), ``refresh``
-    (the driver writing ``DIR/manifest.json``), ``require`` (the unit, finalize: read it, ask the hub
-    nothing), ``peek`` (the plan: write nothing)."""
+    """What to replay and how. ``manifest`` (``manifest.resolve``): ``use`` (a worker or the driver: the
+    store's manifest, written when there is none), ``require`` (the unit, finalize: read it, ask the hub
+    nothing), ``peek`` (the plan: write nothing). ``all_revisions``: every published revision, not the
+    recipe's list; ``rewrite_manifest``: update the plan (refused while ``running`` names tasks)."""
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
     if is_local(recipe.model):  # one run, however its path is spelled (run/, ./run, /abs/run): one replay key, one store
         recipe = dataclasses.replace(recipe, model=str(Path(recipe.model).resolve()))
-    names = list(revisions) if revisions is not None else (list(recipe.revisions) if recipe.revisions else None)
-    names = [r.name if isinstance(r, Revision) else str(r) for r in names] if names is not None else None
+    if revisions is not None and (all_revisions or log_spaced):
+        raise ValueError("give revisions, or all_revisions / log_spaced (which choose among every published revision), not both")
+    if revisions is not None:
+        names = [r.name if isinstance(r, Revision) else str(r) for r in revisions]
+    elif all_revisions or log_spaced:
+        names = None  # the listing: every published revision (log-spaced: N of them)
+    else:
+        names = list(recipe.revisions) if recipe.revisions else None
     tps = tokens_per_step or recipe.tokens_per_step
     label = resolve_protocol(recipe, probes=probes, dtype=dtype, protocol=protocol or (monitor_config.protocol if monitor_config else None))
-    log_spaced = log_spaced or recipe.log_spaced
+    log_spaced = log_spaced or (recipe.log_spaced if names is None else None)
     local = None
     if is_local(recipe.model):  # a local run: its folder is its listing, each checkpoint hashed once (the store's hash cache)
-        local = local_source(
-            recipe, None if manifest == "require" else names, out_dir=out_dir, log_spaced=log_spaced, tokens_per_step=tps,
-            lightning_module=lightning_module, live_store=live_store, write=manifest != "peek",
-        )  # fmt: skip
+        local = local_source(recipe, out_dir=out_dir, tokens_per_step=tps, lightning_module=lightning_module, live_store=live_store,
+                             write=manifest != "peek")  # fmt: skip
     elif lightning_module or live_store:
         raise ValueError(
             f"--lightning-module and --live-store are for a local folder of checkpoints; {recipe.model} is no path on this machine"
@@ -83,23 +107,36 @@ def prepare_replay(
     live = (getattr(local.local, "live_state", None) or {}) if local is not None and local.local is not None else {}
     dtype = dtype or live.get("probe_dtype") or recipe.dtype
     key = replay_key(recipe.model, dtype, label.label, probe_list)
-    if local is None and manifest != "require" and not (out_dir is not None and (Path(out_dir) / MANIFEST_FILE).is_file()):
-        check_hub(recipe.model)  # no manifest yet: an unreachable hub stops here, with the advice
-    # each revision with the commit its name resolves to now (weights are fetched by it; its done key names
-    # those weights), its weights' fingerprint from metadata, and the duplicate groups of the whole run
-    m, source = resolve_manifest(
+    if manifest == "use" and out_dir is not None and Path(out_dir).is_dir():
+        check_records(stored_records(out_dir), key, out_dir)  # a store of another measurement: refused before the plan is touched
+    has_manifest = out_dir is not None and (Path(out_dir) / MANIFEST_FILE).is_file()
+    if local is None and manifest != "require" and (rewrite_manifest or not has_manifest):
+        check_hub(recipe.model)  # the hub is asked: an unreachable one stops here, with the advice
+    m, tasks = resolve_manifest(
         recipe, names, key=key, out_dir=out_dir, mode=manifest, log_spaced=log_spaced, cache_dir=cache_dir, tokens_per_step=tps,
-        local_source=local,
+        local_source=local, rewrite=rewrite_manifest, skip_duplicates=skip_duplicates, running=running, policy=policy,
     )  # fmt: skip
+    source = m.source(cache_dir, local.local if local is not None else None)
     whole = m.groups()
-    flags = {r.name: whole[r.name] for r in source.revisions if r.name in whole}
-    warn_duplicates(recipe.model, flags)
-    ordered = [r for r in source.revisions if not (skip_duplicates and r.name in flags)]  # --skip-duplicates: never downloaded
-    if not ordered:
+    planned = {n for t in tasks for n in t.members}
+    flags = {n: g for n, g in whole.items() if n in planned}
+    if manifest != "require":  # the driver and the workers say it; each engine task's records carry it
+        warn_duplicates(recipe.model, flags)
+    skip = skip_duplicates or m.skip_duplicates
+    if not any(not (skip and n in flags) for n in planned) and manifest != "require":
         raise ValueError(f"no revisions to replay for {recipe.model}")
-    k, n = shard or (0, 1)
+    changed = set()
+    if local is not None:  # a checkpoint rewritten since the plan: its weights are not the planned ones
+        now = {r.name: r.commit for r in local.revisions}
+        changed = {n for n in planned if n in now and now[n] != m.entries[n].get("commit")}
+        if changed:
+            warnings.warn(
+                f"sinkwatch replay: {', '.join(sorted(changed))} changed on disk since {out_dir}/manifest.json was written: the plan "
+                "still holds the weights it fingerprinted then. Write it again with --rewrite-manifest to measure the new ones",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     cfg = monitor_config or MonitorConfig(batch_tokens=batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
     cfg = dataclasses.replace(cfg, protocol=label.computation)
-    s = ReplaySetup(recipe, ordered, ordered[k::n], key, cfg, label.computation, probe_list, dtype, None, source, label, flags)
-    s.manifest = m
-    return s
+    return ReplaySetup(recipe, m, tasks, key, cfg, label.computation, probe_list, dtype, None, source, label, flags,
+                       skip_duplicates=skip, changed=changed)  # fmt: skip

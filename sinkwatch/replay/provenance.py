@@ -6,12 +6,14 @@ the weights, the versions and the device — and the revisions whose weights are
   (``hub.remote_files``); in a local Hugging Face cache a snapshot's file links to ``blobs/<sha256>``
   (the hub's ETag of an LFS file), else the file is hashed; a user's checkpoint folder is hashed.
 - **Wrong branches** (EleutherAI/pythia#205: step branches serving the final weights; #206: two
-  branches whose first shard is the final one). Revisions that share any weight file form a group
-  (connected through shared files); a group holding two or more trajectory points is flagged as a
-  whole: every member gets ``duplicate_of`` (``main`` when main is in the group, else the group's
-  first revision in training order), a warning, a row in the report, and is left out of the
-  trajectory and the stages. Expected aliases are no points: a name without a step (``main``, a tag)
-  and a later stage's step 0 (OLMo-3's ``stage2-ingredient1-step0`` is stage 1's last weights).
+  branches whose first shard is the final one). Revisions and refs that share any weight file form a
+  group (connected through shared files), over the whole listing. A step branch in a group is flagged
+  — ``duplicate_of``, a warning, a row in the report, left out of the trajectory and the stages —
+  unless it is its run's final step: the weights ``main`` or a later step serve are the final step's,
+  so the final step keeps them and every other step serving them is the wrong branch. Two final steps
+  in one group (two parallel runs ending on the same weights) are both flagged. Expected aliases are
+  no points: a name without a step (``main``, a tag) and a later stage's step 0 (OLMo-3's
+  ``stage2-ingredient1-step0`` is stage 1's last weights).
 """
 
 from __future__ import annotations
@@ -128,11 +130,11 @@ def weights_of_files(root: str | os.PathLike, paths: Iterable[str | os.PathLike]
     return Weights(files)
 
 
-def weights_from_hub(model: str, commit: str) -> Weights:
-    """From the hub's file metadata at ``commit``: nothing is downloaded."""
+def weights_from_hub(model: str, commit: str, policy=None) -> Weights:
+    """From the hub's file metadata at ``commit``: nothing is downloaded (``policy``: its retries, a ``RetryPolicy``)."""
     from .retries import RetryPolicy, call_with_retries
 
-    listed = call_with_retries(lambda: remote_files(model, commit), RetryPolicy(), f"file metadata of {model}@{commit[:12]}")
+    listed = call_with_retries(lambda: remote_files(model, commit), policy or RetryPolicy(), f"file metadata of {model}@{commit[:12]}")
     files = {f.path: (f.sha256 or f"git:{f.blob_id}") for f in listed if f.is_weights}
     if not files:
         raise FileNotFoundError(f"{model}@{commit} lists no weight files")
@@ -149,36 +151,50 @@ def weights_from_cache(model: str, commit: str, cache_dir: str | None) -> Weight
     return weights_of_files(snapshot)
 
 
-def fingerprints(model: str, revs: Sequence[Revision], *, cache_dir: str | None = None, offline: bool | None = None) -> dict[str, Weights]:
+def fingerprints(
+    model: str,
+    revs: Sequence[Revision],
+    *,
+    cache_dir: str | None = None,
+    offline: bool | None = None,
+    errors: dict | None = None,
+    policy=None,
+) -> dict[str, Weights]:
     """name -> Weights for every revision whose weights can be read without downloading them: a local
     revision's files, the hub's metadata (online) or the local cache (``HF_HUB_OFFLINE=1``). A revision
-    whose metadata cannot be read gets no entry (one warning): it is measured, and is never called a
-    duplicate on a guess."""
+    whose metadata cannot be read gets no entry (one warning; ``errors``, when given, gets name -> why):
+    it is never called a duplicate on a guess, and its task asks again when it runs."""
     from ..loading import hub_offline
 
     offline = hub_offline() if offline is None else offline
     out: dict[str, Weights] = {}
-    missing: list[str] = []
+    missing: dict[str, str] = {}
     for rev in revs:
         try:
-            if rev.path is not None:
-                out[rev.name] = weights_of_files(rev.path, _local_weight_paths(rev.path))
-            elif rev.commit is None:
-                missing.append(rev.name)
-            elif offline:
-                out[rev.name] = weights_from_cache(model, rev.commit, cache_dir)
-            else:
-                out[rev.name] = weights_from_hub(model, rev.commit)
-        except Exception as exc:  # noqa: BLE001 - provenance never stops a replay; the record says it is unknown
-            missing.append(f"{rev.name} ({type(exc).__name__}: {exc})")
+            out[rev.name] = weights_of(model, rev, cache_dir=cache_dir, offline=offline, policy=policy)
+        except Exception as exc:  # noqa: BLE001 - provenance never stops a replay; the task asks again
+            missing[rev.name] = f"{type(exc).__name__}: {exc}"
     if missing:
+        if errors is not None:
+            errors.update(missing)
         warnings.warn(
-            f"sinkwatch replay: no weights fingerprint for {', '.join(missing)}; those records say weights_fingerprint: null "
-            "and are not checked for duplicates",
+            f"sinkwatch replay: no weights fingerprint for {', '.join(f'{n} ({e})' for n, e in missing.items())}; their tasks ask "
+            "again when they run (and check them for duplicates then); a revision still unknown is drawn marked unverified",
             RuntimeWarning,
             stacklevel=2,
         )
     return out
+
+
+def weights_of(model: str, rev: Revision, *, cache_dir: str | None = None, offline: bool = False, policy=None) -> Weights:
+    """One revision's weights, read without downloading them (raises when they cannot be read)."""
+    if rev.path is not None:
+        return weights_of_files(rev.path, _local_weight_paths(rev.path))
+    if rev.commit is None:
+        raise FileNotFoundError(f"{model} has no branch or tag {rev.name!r}")
+    if offline:
+        return weights_from_cache(model, rev.commit, cache_dir)
+    return weights_from_hub(model, rev.commit, policy)
 
 
 def _local_weight_paths(path: str) -> list[Path] | None:
@@ -209,8 +225,9 @@ def _is_point(rev: Revision) -> bool:
 
 
 def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], aliases: Sequence[Revision] = ()) -> dict[str, DuplicateGroup]:
-    """name -> its group, for every revision of ``revs`` in a flagged group. ``aliases``: other refs
-    whose weights name a group (``main``) without being measured."""
+    """name -> its group, for every revision of ``revs`` that is flagged (see the module doc). ``revs``: the
+    whole listing (each run's final step is read from it); ``aliases``: other refs (``main``, tags) whose
+    weights connect a group without being measured."""
     nodes = {r.name: r for r in [*aliases, *revs] if r.name in weights}
     parent = {n: n for n in nodes}
 
@@ -230,36 +247,46 @@ def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], alias
     groups: dict[str, list[str]] = {}
     for n in nodes:
         groups.setdefault(find(n), []).append(n)
-    measured = {r.name for r in revs}
+    final: dict[str | None, int] = {}  # run -> its last step in the listing
+    for r in revs:
+        if _is_point(r):
+            final[r.run] = max(final.get(r.run, r.step), r.step)
     out: dict[str, DuplicateGroup] = {}
     for members in groups.values():
-        if len(members) < 2 or sum(_is_point(nodes[m]) for m in members) < 2:
+        if len(members) < 2:
             continue
         members = sorted(members, key=lambda m: order_key(nodes[m]))
         points = [m for m in members if _is_point(nodes[m])]
+        finals = [m for m in points if nodes[m].step == final[nodes[m].run]]
+        keeper = finals[0] if len(finals) == 1 else None  # the weights are the final step's: it keeps them
+        flagged = [m for m in points if m != keeper]
+        if not flagged:
+            continue
         counts: dict[str, int] = {}
         for m in members:
             for sha in weights[m].files.values():
                 counts[sha] = counts.get(sha, 0) + 1
         shared = sorted({p for m in members for p, sha in weights[m].files.items() if counts[sha] > 1})
+        others = [m for m in members if not _is_point(nodes[m])]  # main, tags, a later stage's step 0
+        anchor = "main" if "main" in members else keeper or (others[0] if others else flagged[0])
         group = DuplicateGroup(
             members=tuple(members),
-            duplicate_of="main" if "main" in members else points[0],
+            duplicate_of=anchor,
             identical=len({weights[m].fingerprint for m in members}) == 1,
             shared_files=tuple(shared),
         )
-        for m in members:
-            if m in measured:
-                out[m] = group
+        for m in flagged:
+            out[m] = group
     return out
 
 
 def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
     for group in {g.members: g for g in flags.values()}.values():
         warnings.warn(
-            f"sinkwatch replay: {model}: {group.describe()} — flagged as a group (duplicate_of={group.duplicate_of}) and left out "
-            "of the trajectory and the stages: a published branch whose weights are not its own (see EleutherAI/pythia#205, "
-            "#206). Their records are kept and listed in the report; --skip-duplicates does not measure them",
+            f"sinkwatch replay: {model}: {group.describe()} — {', '.join(n for n, g in flags.items() if g is group)} flagged "
+            f"(duplicate_of={group.duplicate_of}) and left out of the trajectory and the stages: a published branch whose "
+            "weights are not its own (see EleutherAI/pythia#205, #206). Their records are kept and listed in the report; "
+            "--skip-duplicates does not measure them",
             RuntimeWarning,
             stacklevel=2,
         )

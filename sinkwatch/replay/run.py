@@ -1,17 +1,25 @@
-"""The replay loop (SPEC §8): revisions claimed in the store, fetched one ahead, probed, written, evicted.
+"""Workers without an engine (SPEC §8): a deterministic stride of the manifest's tasks, then one pass over what is missing.
 
-This is the claim mode, for plain processes (torchrun, ``srun -n``, hosts started by hand); engines
-(Slurm arrays, submitit, Ray) run the per-revision unit of ``unit`` instead, over the manifest's tasks.
+For plain processes — one process, torchrun, ``srun -n``, hosts started by hand — sharing a store.
+Engines (Slurm arrays, submitit, Ray) run the per-task unit of ``unit`` instead, over the same manifest.
 
 One worker, whatever launched it, runs ``replay``:
 
-1. the revisions to replay, in training order (``prepare``; ``--shard K/N`` keeps every N-th: a static split);
-2. ``claim``: the first revision not done anywhere in the store, not failed in this job and not held
-   live by another worker is claimed (``claims``); with none left but some held by others, the worker
-   waits for them (a stale claim is taken over), then runs the ablation if it is due;
-3. each claimed revision is placed, fetched, measured, written and evicted (``measure``); the next one
-   is claimed and starts downloading as soon as the current one is on disk, so probing and downloading
-   overlap.
+1. the plan: the store's manifest (written by the first worker into an empty ``--out``: exclusive
+   create, so workers starting together agree on one), and the tasks this run asks for;
+2. its stride: tasks ``rank, rank + world, ...`` of them, from the rank source (``RANK``/``WORLD_SIZE``,
+   ``SLURM_PROCID``/``SLURM_NTASKS``, or ``--shard i/n``; with none, this process takes them all); each
+   not recorded yet is measured (a failed one too: a rerun retries it), the next one downloading while
+   this one is probed;
+3. one pass over the other tasks, from the end of the list (where the other workers' strides end):
+   each still without any row and not begun by anyone (``attempts.running``) is measured too. A task two
+   workers measure at once is recorded once (exclusive create): at most a few measurements are
+   duplicated at the tail, never a record;
+4. the group ablation, by the worker that recorded its revision (or, when that was recorded before or
+   is no measured revision, by rank 0).
+
+No lease, no heartbeat: a hung worker holds nothing but its own tasks, which a rerun measures. On a
+bare node a hang is the user's to kill (an engine's time limit does it for you).
 
 ``replay_plan`` says what ``replay`` with the same options would do and cost, doing none of it.
 """
@@ -19,15 +27,16 @@ One worker, whatever launched it, runs ``replay``:
 from __future__ import annotations
 
 import os
-import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..monitor import MonitorConfig
+from . import attempts
 from .ablation import ablation_key, check_ablation
-from .claims import ClaimConfig
 from .devices import worker_device
 from .fetch import FetchConfig
+from .manifest import Task
 from .measure import Job, Measurer
 from .plan import Plan, device_budgets, make_plan
 from .prepare import prepare_replay
@@ -38,8 +47,6 @@ from .signals import Terminated, exit_terminated, terminate_cleanly
 from .store import done_key, key_of, record_done_key, stored_records
 from .workers import detect_worker
 
-_WAIT = object()  # every remaining revision is held by another live worker
-
 
 # ---- the public entry points ------------------------------------------------------------------------------------
 def replay(
@@ -47,6 +54,7 @@ def replay(
     *,
     revisions: Sequence[str | Revision] | None = None,
     log_spaced: int | None = None,
+    all_revisions: bool = False,
     out_dir: str | os.PathLike = "runs/replay",
     probes: Sequence | None = None,
     dtype: str | None = None,
@@ -62,58 +70,49 @@ def replay(
     ablate: bool | None = None,
     ablation_revision: str | None = None,
     fetch: FetchConfig | None = None,
-    claims: ClaimConfig | None = None,
     max_memory: int | str | None = None,
     lightning_module: str | None = None,
     live_store: str | None = None,
     skip_duplicates: bool = False,
+    rewrite_manifest: bool = False,
 ) -> list[dict]:
-    """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows
-    this worker wrote (ok and failed). Run it in as many processes as you like, on any hosts sharing
-    ``out_dir``: the claim mode (best effort: each revision is recorded once, and measured once unless a
-    claim is taken over from a worker that was only slow; under an engine use ``replay_revision``).
+    """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows this
+    worker wrote (ok, failed, skipped). Run it in as many processes as you like, on any hosts sharing
+    ``out_dir`` (see the module doc: a stride of the manifest's tasks, then one pass; ``shard=(i, n)``
+    is the stride when no launcher gives one). Under an engine use ``replay_revision``.
 
-    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (+ ``log_spaced``), and are
-    replayed in training order. ``shard=(K, N)`` keeps every N-th from K (a static split). ``model``
-    may also be a local folder of checkpoints (``sinkwatch.replay.local``: HF Trainer, save_pretrained,
-    OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``; ``live_store``: the
-    live run's store, whose ``probes.json`` gives its probe sets). Each record carries the commit its
-    branch resolved to, a fingerprint of its weights, the versions and the device; revisions whose
-    weights are not their own are flagged (``duplicate_of``) and, with ``skip_duplicates``, not measured.
+    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (``all_revisions``: every
+    published one, whatever the recipe lists; ``log_spaced``: N of them). The first run into an empty
+    ``out_dir`` writes the plan (``DIR/manifest.json``); later runs use it and ask the hub nothing.
+    Another selection, a moved branch or a rewritten local checkpoint needs ``rewrite_manifest=True``.
+    ``model`` may also be a local folder of checkpoints (``sinkwatch.replay.local``: HF Trainer,
+    save_pretrained, OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``;
+    ``live_store``: the live run's store, whose ``probes.json`` gives its probe sets). Each record
+    carries the commit its branch resolved to, a fingerprint of its weights, the versions and the
+    device; revisions whose weights are not their own are flagged (``duplicate_of``) and, with
+    ``skip_duplicates``, not measured.
 
     ``protocol``: "paper" reproduces Xu 2026's precision choices (SPEC §8: float16 models probed
     through eager float16 attention, PR from a float16 pass over the first 500 sequences), "sinkwatch"
     keeps float32 statistics and PR over every sequence; default: the recipe's. A store that holds
     records made with another protocol, dtype, model or probe set is refused (``StoreMismatchError``).
 
-    ``ablate``: once the revisions are done, the group ablation of the >= 50x induction circuit at
+    ``ablate``: once its revision is recorded, the group ablation of the >= 50x induction circuit at
     ``ablation_revision`` (default: the recipe's; without one, the last revision) goes to
-    ``DIR/ablation.json`` (``run_ablation``), run once by whichever worker claims it. Default: on
-    under protocol "paper" when the recipe names an ablation revision (the packaged recipes do).
+    ``DIR/ablation.json`` (``run_ablation``). Default: on under protocol "paper" when the recipe names
+    an ablation revision (the packaged recipes do).
 
-    ``fetch``: retries, prefetch and eviction (``FetchConfig``: ``keep_cache=True`` keeps what is
-    downloaded); ``claims``: heartbeat and staleness of claims (``ClaimConfig``); ``max_memory``
-    (``"24GiB"``): the memory each device may use, instead of what it has free.
+    ``fetch``: retries, prefetch and the task folders (``FetchConfig``: ``keep_cache=True`` keeps what is
+    downloaded, ``cache_root`` moves the folders); ``max_memory`` (``"24GiB"``): the memory each device
+    may use, instead of what it has free.
     """
     fetch = fetch or FetchConfig()
     s = prepare_replay(
-        model,
-        revisions=revisions,
-        log_spaced=log_spaced,
-        probes=probes,
-        dtype=dtype,
-        tokens_per_step=tokens_per_step,
-        batch_tokens=batch_tokens,
-        monitor_config=monitor_config,
-        protocol=protocol,
-        cache_dir=cache_dir,
-        shard=shard,
-        lightning_module=lightning_module,
-        live_store=live_store,
-        skip_duplicates=skip_duplicates,
-        out_dir=out_dir,
-        manifest="reuse",
-    )
+        model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, probes=probes, dtype=dtype,
+        tokens_per_step=tokens_per_step, batch_tokens=batch_tokens, monitor_config=monitor_config, protocol=protocol,
+        cache_dir=cache_dir, lightning_module=lightning_module, live_store=live_store, skip_duplicates=skip_duplicates,
+        out_dir=out_dir, manifest="use", rewrite_manifest=rewrite_manifest, running=attempts.running(out_dir), policy=fetch,
+    )  # fmt: skip
     s.ablation = ablation_revision or s.recipe.ablation_revision
     if ablate is None:
         ablate = s.protocol == "paper" and s.ablation is not None
@@ -122,18 +121,25 @@ def replay(
         check_ablation(out_dir, ablation_key(s.key, s.ablation))  # refused before anything is probed
     else:
         s.ablation = None
-    loop = _Loop(
-        s,
-        out_dir=out_dir,
-        device=device,
-        cache_dir=cache_dir,
-        wandb=wandb,
-        progress=progress,
-        fetch=fetch,
-        claims=claims,
-        max_memory=max_memory,
-    )
-    return loop.run()
+    loop = _Loop(s, out_dir=out_dir, device=device, cache_dir=cache_dir, wandb=wandb, progress=progress, fetch=fetch,
+                 max_memory=max_memory)  # fmt: skip
+    return loop.run(stride(shard))
+
+
+def stride(shard: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(rank, world) of this worker: ``shard``, else its launcher's (torchrun, srun), else (0, 1)."""
+    if shard is not None:
+        return shard
+    w = detect_worker()
+    if w.launcher == "local-rank":
+        warnings.warn(
+            f"sinkwatch replay: LOCAL_RANK={w.local_rank} without WORLD_SIZE: this process is one worker of an unknown number; "
+            "it measures every task not recorded yet (set RANK and WORLD_SIZE, or --shard i/n, to split them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return 0, 1
+    return w.index, w.count or 1
 
 
 def replay_plan(
@@ -141,6 +147,7 @@ def replay_plan(
     *,
     revisions: Sequence[str | Revision] | None = None,
     log_spaced: int | None = None,
+    all_revisions: bool = False,
     out_dir: str | os.PathLike = "runs/replay",
     probes: Sequence | None = None,
     dtype: str | None = None,
@@ -160,43 +167,34 @@ def replay_plan(
     skip_duplicates: bool = False,
     lightning_module: str | None = None,
     live_store: str | None = None,
+    rewrite_manifest: bool = False,
 ) -> Plan:
     """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
     is downloaded but file metadata and a config.json, nothing is written."""
     fetch = fetch or FetchConfig()
     s = prepare_replay(
-        model,
-        revisions=revisions,
-        log_spaced=log_spaced,
-        probes=probes,
-        dtype=dtype,
-        tokens_per_step=tokens_per_step,
-        batch_tokens=batch_tokens,
-        monitor_config=monitor_config,
-        protocol=protocol,
-        cache_dir=cache_dir,
-        shard=shard,
-        lightning_module=lightning_module,
-        live_store=live_store,
-        skip_duplicates=skip_duplicates,
-        out_dir=out_dir,
-        manifest="peek",
-    )
+        model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, probes=probes, dtype=dtype,
+        tokens_per_step=tokens_per_step, batch_tokens=batch_tokens, monitor_config=monitor_config, protocol=protocol,
+        cache_dir=cache_dir, lightning_module=lightning_module, live_store=live_store, skip_duplicates=skip_duplicates,
+        out_dir=out_dir, manifest="peek", rewrite_manifest=rewrite_manifest, policy=fetch,
+    )  # fmt: skip
     worker = detect_worker()
     # done as the loop decides it: by done key (a moved branch, a rewritten checkpoint: to do again)
     stored = {record_done_key(r) for r in stored_records(out_dir) if key_of(r) == s.key} if Path(out_dir).is_dir() else set()
-    done = {r.name for r in s.mine if done_key(s.key, r.name, r.commit) in stored}
+    order = {n: i for i, n in enumerate(s.manifest.revisions)}
+    planned = sorted((r for t in s.tasks for r in s.needed(t)), key=lambda r: order[r.name])  # training order
+    done = {r.name for r in planned if done_key(s.key, r.name, r.commit) in stored}
     if workers is None:
-        workers, source = (
-            (worker.count or 1),
-            ("from " + worker.launcher if worker.launcher != "single" else "this process alone; --workers N"),
-        )
+        rank, world = shard or (worker.index, worker.count or 1)
+        workers, source = world, ("from " + worker.launcher if worker.launcher != "single" else "this process alone; --workers N")
+        if shard is not None:
+            source = "--shard"
     else:
         source = "--workers"
     dev = worker_device(device, worker)
     return make_plan(
         s.recipe.model,
-        s.mine,
+        planned,
         done=done,
         dtype=s.dtype,
         protocol=s.protocol,
@@ -212,75 +210,76 @@ def replay_plan(
         tflops=tflops,
         ablation=ablation_revision or s.recipe.ablation_revision,
         duplicates={name: group.duplicate_of for name, group in s.flags.items()},
+        tasks=len(s.tasks),
     )
 
 
 # ---- one worker's loop ---------------------------------------------------------------------------------------------
 class _Loop(Measurer):
-    """The claim mode's loop: claim the next revision, measure it while the one after downloads, until none
-    is left; then the ablation, if due."""
+    """A stride of the tasks, then one pass over what is missing (see the module doc); then the ablation, if due."""
 
-    def run(self) -> list[dict]:
+    def run(self, rank_world: tuple[int, int]) -> list[dict]:
+        rank, world = rank_world
+        tasks = self.s.tasks
+        mine = tasks[rank::world]
+        others = [t for t in reversed(tasks) if t not in mine]  # from where the other strides end
+        ablated = self._ablation_revision_task()
+        # the ablation is run by whoever records its revision now; by rank 0 when that happened before (or never will)
+        self.ablate_due = rank == 0 and (ablated is None or all(self.store.is_done(self.key(r)) for r in self.s.needed(ablated)))
         with terminate_cleanly():
             try:
-                return self._run()
-            except Terminated as exc:  # _run freed the claims and the cache; a download thread is not waited for
+                return self._run(mine, others)
+            except Terminated as exc:  # _run wrote the failed rows and ended the attempts; a download thread is not waited for
                 exit_terminated(exc)
                 raise
 
-    def _run(self) -> list[dict]:
+    def _ablation_revision_task(self) -> Task | None:
+        if self.s.ablation is None:
+            return None
+        return next((t for t in self.s.tasks if self.s.ablation in t.members), None)
+
+    def _candidates(self, mine: list[Task], others: list[Task]):
+        for t in mine:
+            yield t
+        for t in others:  # the pass: only tasks nobody has begun or recorded anything for
+            if attempts.is_running(self.out_dir, t.name):
+                continue
+            if any(self.store.read(self.key(r)) is not None for r in self.s.needed(t)):
+                continue
+            yield t
+
+    def _next(self, it) -> Job | None:
+        for task in it:
+            job = self._start(task)
+            if job is not None:
+                return job
+        return None
+
+    def _run(self, mine: list[Task], others: list[Task]) -> list[dict]:
         rows: list[dict] = []
-        pause = 0.25  # waiting for others' claims: looks again after 0.25 s, 0.5 s, ... up to poll_s
+        it = self._candidates(mine, others)
         try:
-            nxt: Job | None = None
-            while True:
-                if nxt is None:
-                    got = self._claim_next(exclude=())
-                    if got is _WAIT:
-                        _status(self.bar, "-", "waiting for revisions other workers hold")
-                        time.sleep(pause)
-                        pause = min(2 * pause, self.claims.config.poll_s)
-                        continue
-                    if got is None:
-                        break
-                    nxt, pause = self._start(got), 0.25
+            nxt = self._next(it)
+            while nxt is not None:
                 job, nxt = nxt, None
                 path = self._await(job)
-                got = self._claim_next(exclude=(job.rev.name,))  # the next one downloads while this one is probed
-                if isinstance(got, Revision):
-                    nxt = self._start(got)
-                row = self._measure(job, path)
-                if row is not None:
-                    rows.append(row)
-                self._done_with(job, path)
+                nxt = self._next(it)  # the next one downloads while this one is probed
+                rows += self._measure(job, path)
+                if self.s.ablation is not None and self.s.ablation in job.written:
+                    self.ablate_due = True
+                self._end(job)
                 self._progress()
-            self._ablation()
-        except BaseException:
+            if self.ablate_due:
+                self._ablation()
+        except BaseException as exc:
+            self.abandon(exc)
             self._close(wait=False)  # interrupted: do not wait for a download in flight
             raise
         self._close(wait=True)
         return rows
 
-    def _claim_next(self, exclude: Sequence[str]):
-        """Claim the first revision not done anywhere, not failed in this job and not held by another
-        live worker. None: nothing left; _WAIT: what is left is held by others."""
-        waiting = False
-        for rev in self.s.mine:
-            if rev.name in exclude:
-                continue
-            item = done_key(self.s.key, rev.name, rev.commit)
-            if self.store.is_done(item) or self.claims.failed_this_job(item):
-                continue
-            if not self.claims.try_claim(item, {"revision": rev.name, "commit": rev.commit}):
-                waiting = True
-                continue
-            if self.store.is_done(item):  # another worker wrote it just before our claim
-                self.claims.release(item)
-                continue
-            return rev
-        return _WAIT if waiting else None
-
     def _progress(self) -> None:
         if self.bar is not None:
-            self.bar.n = sum(self.store.is_done(done_key(self.s.key, r.name, r.commit)) for r in self.s.mine)
+            self.bar.n = sum(all(self.store.is_done(self.key(r)) for r in self.s.needed(t)) for t in self.s.tasks)
             self.bar.refresh()
+            _status(self.bar, "-", "")

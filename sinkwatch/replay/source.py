@@ -3,14 +3,13 @@ checkpoints — and how each is loaded: the one entry point the loop calls (``re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..loading import load_model
 from .local import LocalRun, is_local, local_run, warn_notes
-from .provenance import DuplicateGroup, Weights, find_duplicates, fingerprints
+from .provenance import Weights
 from .recipes import Recipe
-from .revisions import Revision, check_hub, resolve_revisions, select_log_spaced
+from .revisions import Revision
 
 
 @dataclass
@@ -41,11 +40,6 @@ class RevisionSource:
             return self.local.load(rev, dtype=dtype, device=device)
         return load_model(self.model, revision=rev.commit or rev.name, dtype=dtype, device=device, cache_dir=self.cache_dir)
 
-    def duplicates(self) -> dict[str, DuplicateGroup]:
-        """name -> flagged group, for the revisions whose weight files are another's (from metadata
-        only: what ``--skip-duplicates`` and the plan drop before downloading)."""
-        return find_duplicates(self.revisions, self.weights, aliases=self.aliases)
-
     def live_probes(self) -> list | None:
         """A local run's live probe sets (its callback state), else None."""
         return self.local.live_probes() if self.local is not None else None
@@ -53,31 +47,15 @@ class RevisionSource:
 
 def revision_source(
     recipe: Recipe,
-    names: Sequence[str] | None = None,
     *,
-    log_spaced: int | None = None,
-    cache_dir: str | None = None,
     tokens_per_step: int | None = None,
     lightning_module: str | None = None,
     live_store: str | None = None,
 ) -> RevisionSource:
-    """The revisions of ``recipe.model`` — a hub id or a local path — to replay, with their commits and weights."""
-    if is_local(recipe.model):
-        run = local_run(
-            recipe.model, names=names, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store
-        )
-        warn_notes(run)
-        revs = select_log_spaced(run.revisions, log_spaced) if log_spaced and not names else run.revisions
-        return RevisionSource(recipe.model, revs, weights=run.weights, local=run)
-    if lightning_module or live_store:
-        raise ValueError(
-            f"--lightning-module and --live-store are for a local folder of checkpoints; {recipe.model} is no path on this machine"
-        )
-    check_hub(recipe.model)
-    revs, refs = resolve_revisions(
-        recipe.model, names, cache_dir=cache_dir, pattern=recipe.revision_pattern, tokens_per_step=tokens_per_step, log_spaced=log_spaced
-    )
-    measured = {r.name for r in revs}
-    aliases = [Revision("main", commit=refs["main"])] if "main" in refs and "main" not in measured else []
-    weights = fingerprints(recipe.model, [*revs, *aliases], cache_dir=cache_dir)
-    return RevisionSource(recipe.model, revs, weights=weights, aliases=aliases, cache_dir=cache_dir)
+    """Every checkpoint of the local run ``recipe.model`` (a folder), with its weights: the listing a
+    manifest is written from (a hub model's listing is the manifest's own: ``manifest``)."""
+    if not is_local(recipe.model):
+        raise ValueError(f"{recipe.model} is no path on this machine")
+    run = local_run(recipe.model, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store)
+    warn_notes(run)
+    return RevisionSource(recipe.model, run.revisions, weights=run.weights, local=run)

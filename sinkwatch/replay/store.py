@@ -14,17 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..probes import ProbeSet
-from ..reporting.jsonl import read_jsonl
-from ..stages import StageConfig, StageTracker
-from .revisions import lineage, runs_of, training_order
+from ..stages import StageConfig
 from .workers import Worker, detect_worker
 
 
 # ---- the store -------------------------------------------------------------------------------------------
 def shard_from_env() -> tuple[int, int]:
-    """(index, count) of this worker from its launcher (``workers.detect_worker``; count 1 when unknown).
-
-    Since workers claim revisions in the store, these no longer split the work: they name the worker."""
+    """(index, count) of this worker from its launcher (``workers.detect_worker``; count 1 when unknown):
+    the stride of the manifest's tasks it measures first (``run``)."""
     w = detect_worker()
     return w.index, w.count or 1
 
@@ -198,22 +195,16 @@ class ReplayStore:
 
     def check(self, key: dict) -> None:
         """Refuse (StoreMismatchError) when any successful record of the store was made with another replay key."""
-        for r in self.ok_records():
-            diff = key_difference(key_of(r), key)
-            if diff:
-                raise StoreMismatchError(
-                    f"{self.dir} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
-                    "Its numbers would be reported as this replay's: replay into another --out, "
-                    "or move its records/ and records*.jsonl away to redo them"
-                )
+        check_records(self.ok_records(), key, self.dir)
 
     def write(self, row: dict) -> bool:
-        """Publish ``row`` as its done key's file. A success is written once (False: that key has its
-        record already — another worker measured it too — and it is kept) and removes the failed row; a
-        failure replaces the previous failure and never a success. Written whole or not at all."""
+        """Publish ``row`` as its done key's file. A success (or a revision skipped as a duplicate) is written
+        once (False: that key has its record already — another worker measured it too — and it is kept)
+        and removes the failed row; a failure replaces the previous failure and never a success. Written
+        whole or not at all."""
         row.setdefault("written_at", time.time())  # orders records of one revision across workers (write_order)
         done = record_done_key(row)
-        ok = row.get("status", "ok") == "ok"
+        ok = row.get("status", "ok") in ("ok", "skipped")
         final = self.record_path(done)
         if not ok and final.exists():
             return False
@@ -237,6 +228,18 @@ class ReplayStore:
         return True
 
     append = write
+
+
+def check_records(records, key: dict, where) -> None:
+    """Refuse (StoreMismatchError) when any of ``records`` (a store's successful ones) was made with another replay key."""
+    for r in records:
+        diff = key_difference(key_of(r), key)
+        if diff:
+            raise StoreMismatchError(
+                f"{where} already holds records made another way ({'; '.join(diff)}; first: {r.get('revision')}). "
+                "Its numbers would be reported as this replay's: replay into another --out, "
+                "or move its records/, records*.jsonl and manifest.json away to redo them"
+            )
 
 
 def write_order(rows) -> list[dict]:
@@ -333,29 +336,6 @@ def stage_config_of(records: Sequence[dict]) -> StageConfig:
     if len(configs) != 1:
         return StageConfig()
     return StageConfig(**json.loads(configs.pop()))
-
-
-def merged_records(store_dir: str | os.PathLike) -> list[dict]:
-    """All successful records of a store (every worker's file), one per revision (the latest written),
-    in training order, with ``p0_stage``/``induction_state`` derived over that whole sequence with the
-    StageConfig the replay used — the same derivation replay applies when it writes each record — per
-    run: a parallel run (an OLMo-2 ingredient) over the main run before it, then its own records.
-    Revisions flagged as duplicates (``duplicate_of``) are no trajectory points: they are left out (the
-    report lists them: ``provenance.flagged_records``)."""
-    d = Path(store_dir)
-    latest = {r["revision"]: r for r in stored_records(d)}
-    if not latest:
-        # a live run's store: records keyed by step
-        rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
-        return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0))
-    records = training_order([r for r in latest.values() if not r.get("duplicate_of")])
-    config = stage_config_of(records)
-    for run, own in runs_of(records).items():
-        tracker = StageTracker(config)
-        mine = {id(r) for r in own}
-        for r in lineage(records, run):
-            tracker.update(r if id(r) in mine else dict(r))  # the main run's records keep their own stages
-    return records
 
 
 def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:

@@ -1,224 +1,177 @@
-"""The engines' side of replay (SPEC §8): the manifest written once, a thin per-revision unit, and finalize.
+"""The engines' side of replay (SPEC §8): the manifest written once, a thin per-task unit, and finalize.
 
 Slurm arrays, submitit and Ray already schedule, time-limit and retry tasks; replay gives them:
 
 - ``write_manifest`` (``sinkwatch replay MODEL --out DIR --manifest-only``): the driver's one look at
-  the hub (``manifest``), and the tasks: revisions grouped by identical weights;
-- ``replay_revision(model, revision, out_dir=...)`` (``--task N``): reads the manifest, lists nothing,
-  claims nothing, measures the revision's task once and writes one record file per member; a failure
-  writes the failed row and raises ``RevisionFailed`` (so the engine's retry applies); SIGTERM (the
-  engine's time limit) writes the failed row too. The cache is the task's own (a temporary folder,
-  deleted at the end) unless ``cache_dir`` is given, where only the blobs no other manifest entry
-  lists are deleted;
-- ``finalize`` (``--finalize``): stages derived over the whole store in step order
-  (``DIR/trajectory.json``), the group ablation run once, and the revisions that failed or are missing.
+  the hub (``manifest``): the plan, an ordered list of named tasks, written once;
+- ``replay_revision(model, task, out_dir=...)`` (``--task N``: the N-th task of the written list): reads
+  the manifest, lists nothing, and writes a record for every member of its task not recorded yet
+  (measured once); a failure writes the failed rows and raises ``RevisionFailed`` (the engine's retry,
+  or a resubmission, applies); SIGTERM (a Slurm time limit) and KeyboardInterrupt (Ray's cancel)
+  write them too. It downloads into the task's own folder (``attempts``);
+- ``failed_tasks``: the tasks with a member not recorded, to resubmit;
+- ``finalize`` (``--finalize``, after the tasks): attempts killed without a word get their failed rows,
+  what they left in the task folders is swept, the stages are derived over the whole store in step
+  order (``DIR/trajectory.json``), the group ablation runs once, and it says what failed or is missing.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from ..stages import StageTracker
-from .claims import ClaimConfig
+from . import attempts
 from .fetch import FetchConfig
-from .manifest import MANIFEST_FILE, Manifest, write_atomic
+from .manifest import MANIFEST_FILE, Manifest, Task, array_range, write_atomic
 from .measure import Measurer
-from .prepare import prepare_replay
+from .merged import merged_records
+from .prepare import ReplaySetup, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
-from .store import ReplayStore, done_key, failed_revisions, merged_records
+from .store import ReplayStore, done_key
 
 _SETUP = ("probes", "dtype", "tokens_per_step", "batch_tokens", "monitor_config", "protocol", "lightning_module", "live_store")
 _LOOP = ("device", "wandb", "progress", "max_memory")
-_IGNORED = ("revisions", "log_spaced", "shard", "claims", "skip_duplicates", "ablate", "ablation_revision")  # replay's, meaningless here
-
-
-class _NoClaims:
-    """The unit's claims: an engine gives each revision to one task, so there is nothing to claim."""
-
-    config = ClaimConfig()
-    _held: dict = {}
-
-    def try_claim(self, item, info=None) -> bool:
-        return True
-
-    def lost(self, item) -> bool:
-        return False
-
-    def failed_this_job(self, item) -> bool:
-        return False
-
-    def release(self, item, *, failed: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+_IGNORED = ("revisions", "log_spaced", "all_revisions", "shard", "ablate", "ablation_revision", "rewrite_manifest")  # the plan's
 
 
 class _UnitLoop(Measurer):
-    """The replay loop's parts (place, fetch, measure, write, evict) for one task: no claims, nothing read
-    of the store but its own keys (finalize derives the stages in step order)."""
+    """The measuring parts (place, fetch, measure, write) for one task: nothing read of the store but its
+    own keys (finalize derives the stages in step order)."""
 
     def _check_store(self) -> None:
-        pass  # the manifest was written for this key (manifest.require_manifest) after the store's check
-
-    def _claims(self, out_dir, config):
-        return _NoClaims()
+        pass  # the driver checked the store when it wrote the manifest
 
     def _tracker_before(self, rev: Revision) -> StageTracker:
         return StageTracker(self.monitor.config.stages)
 
-    def measure_task(self, rev: Revision, members: Sequence[Revision], measured: dict | None = None) -> dict[str, dict]:
-        """Measure ``rev`` once (or take its stored record, ``measured``) and write a record for each member
-        of its task (revisions with identical weights): the same numbers under each one's own name,
-        commit and flags (``measured_as``: the revision that was probed). Returns name -> row."""
-        row = measured
-        if row is None:
-            job = self._start(rev)
-            path = self._await(job)
-            row = self._measure(job, path)
-            self._done_with(job, path)
-        rows = {rev.name: row}
-        for m in members:
-            if m.name == rev.name:
-                continue
-            if self.store.is_done(done_key(self.s.key, m.name, m.commit)):
-                continue
-            copy = {k: v for k, v in row.items() if k not in ("written_at", "run", "stage", "path", "duplicate_group", "duplicate_kind")}
-            copy.update({"revision": m.name, "step": m.step, "tokens": m.tokens, **self._about(m), "measured_as": rev.name})
-            self.store.write(copy)
-            rows[m.name] = copy
-        return rows
-
-    def write_failed(self, revs: Sequence[Revision], exc: BaseException) -> None:
-        """Failed rows for ``revs`` (the unit's task, interrupted by ``exc``)."""
-        recipe = self.s.recipe
-        for rev in revs:
-            self.store.write({
-                "model": recipe.model, "revision": rev.name, "step": rev.step, "tokens": rev.tokens, "dtype": self.s.dtype,
-                "replay_key": self.s.key, **self._about(rev), "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-            })  # fmt: skip
-
 
 class RevisionFailed(RuntimeError):
-    """A revision's measurement failed; its failed row is in the store (an engine may retry the task)."""
+    """A task's measurement failed; its failed rows are in the store (an engine may retry the task)."""
 
 
-def _split(options: dict, allowed: tuple[str, ...], what: str) -> tuple[dict, dict, FetchConfig, str | None]:
-    unknown = sorted(set(options) - set(_SETUP) - set(_LOOP) - {"fetch", "cache_dir"} - set(allowed))
+def _split(options: dict, allowed: tuple[str, ...], what: str) -> tuple[dict, dict, FetchConfig, str | None, bool]:
+    unknown = sorted(set(options) - set(_SETUP) - set(_LOOP) - {"fetch", "cache_dir", "skip_duplicates"} - set(allowed))
     if unknown:
-        takes = ", ".join((*_SETUP, *_LOOP, "fetch", "cache_dir"))
+        takes = ", ".join((*_SETUP, *_LOOP, "fetch", "cache_dir", "skip_duplicates"))
         raise TypeError(f"{what} got unexpected options {unknown}; it takes replay's options ({takes})")
     setup = {k: options.get(k) for k in _SETUP}
     loop = {"device": options.get("device"), "wandb": options.get("wandb", "disabled"), "progress": options.get("progress", False),
             "max_memory": options.get("max_memory")}  # fmt: skip
-    return setup, loop, options.get("fetch") or FetchConfig(), options.get("cache_dir")
+    return setup, loop, options.get("fetch") or FetchConfig(), options.get("cache_dir"), bool(options.get("skip_duplicates"))
 
 
-def write_manifest(model, *, out_dir, revisions=None, log_spaced=None, cache_dir=None, skip_duplicates=False, **options) -> Manifest:
-    """Compute ``DIR/manifest.json`` for this replay (the driver, once, before the tasks start): refs,
-    commits, fingerprints of every listed revision, duplicate groups over the whole run, tasks. A
-    revision already in an earlier manifest at the same commit is not asked about again."""
-    setup, _, _, _ = _split(options, ("ablate", "ablation_revision", "progress", "wandb", "claims", "shard"), "write_manifest")
-    s = prepare_replay(model, revisions=revisions, log_spaced=log_spaced, cache_dir=cache_dir, shard=None, skip_duplicates=skip_duplicates,
-                       out_dir=out_dir, manifest="refresh", **setup)  # fmt: skip
-    ReplayStore(out_dir).check(s.key)  # a store of another measurement is refused before any task starts
+def _require(model, out_dir, options: dict, allowed: tuple[str, ...], what: str) -> tuple[ReplaySetup, dict, FetchConfig, str | None]:
+    setup, loop, fetch, cache_dir, skip = _split(options, allowed, what)
+    s = prepare_replay(model, revisions=None, log_spaced=None, cache_dir=cache_dir, out_dir=out_dir, manifest="require",
+                       skip_duplicates=skip, **setup)  # fmt: skip
+    return s, loop, fetch, cache_dir
+
+
+def write_manifest(
+    model, *, out_dir, revisions=None, log_spaced=None, all_revisions=False, cache_dir=None, skip_duplicates=False, rewrite=False,
+    **options,
+) -> Manifest:  # fmt: skip
+    """The plan of this replay in ``DIR/manifest.json`` (the driver, once, before the tasks start): refs,
+    commits, fingerprints of every listed revision, duplicate groups over the whole run, and the named
+    tasks. An existing manifest that plans this selection is returned as it is (no hub request);
+    ``rewrite=True`` updates it — new revisions appended as new tasks, moved branches fingerprinted again,
+    every existing task kept under its name and index — and is refused while a task is running."""
+    setup, _, fetch, _, _ = _split(options, ("ablate", "ablation_revision", "progress", "wandb", "shard"), "write_manifest")
+    s = prepare_replay(model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, cache_dir=cache_dir,
+                       skip_duplicates=skip_duplicates, out_dir=out_dir, manifest="use", rewrite_manifest=rewrite,
+                       running=attempts.running(out_dir) if Path(out_dir).is_dir() else {}, policy=fetch, **setup)  # fmt: skip
     return s.manifest
 
 
-def _name(revision) -> str:
-    return revision.name if isinstance(revision, Revision) else str(revision)
-
-
-def replay_revision(model, revision, *, out_dir: str | os.PathLike, **options) -> dict:
-    """Measure one revision into the store ``out_dir`` and return its record: the unit an engine maps
-    over the manifest's tasks (Ray tasks, submitit jobs, Slurm array tasks via ``--task``). Reads
-    ``DIR/manifest.json`` (a ValueError naming the command that writes it, when absent), lists
-    nothing, claims nothing. Revisions with identical weights (one task) are measured once, each
-    getting its own record. A revision done already returns its stored record; a failure writes the
-    failed row, then raises ``RevisionFailed``."""
-    setup, loop_opts, fetch, cache_dir = _split(options, _IGNORED, "replay_revision")
-    name = _name(revision)
-    s = prepare_replay(
-        model, revisions=[name], log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
-    )
-    m: Manifest = s.manifest
-    task = m.task_of(name)
-    revs = {r.name: r for r in s.revisions}
+def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> dict:
+    """Measure one task of the manifest into the store ``out_dir`` and return a record: the unit an engine
+    maps over the manifest's task names (Ray tasks, submitit jobs, Slurm array tasks via ``--task``).
+    ``task``: a task name (``Manifest.task_names()``) or a revision a task holds (its record is returned;
+    for a task name, its first member's). Reads ``DIR/manifest.json`` (a ValueError naming the command
+    that writes it, when absent), lists nothing. Writes a record for every member not recorded yet —
+    those with identical weights measured once, a member recorded by an earlier attempt not measured
+    again. A failure writes the failed rows, then raises ``RevisionFailed``."""
+    s, loop_opts, fetch, cache_dir = _require(model, out_dir, options, _IGNORED, "replay_revision")
+    name = task.name if isinstance(task, (Revision, Task)) else str(task)
+    t = s.manifest.find_task(name)
+    s.tasks = [t]
     store = ReplayStore(out_dir)
-    keys = {n: done_key(s.key, n, revs[n].commit) for n in task}
-    if store.is_done(keys[name]):
-        return store.read(keys[name])
-    own_cache = cache_dir is None  # a task's own cache: whatever it downloads goes with it
-    cache = tempfile.mkdtemp(prefix="sinkwatch-task-") if own_cache else cache_dir
-    protect = set() if own_cache else m.blobs_except(task)  # blobs other revisions list stay in a shared cache
-    s.mine = [revs[task[0]]]
-    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache, fetch=fetch, claims=None, protect=protect, **loop_opts)
-    rows: dict[str, dict] = {}
-    try:
-        with terminate_cleanly() as ours:
-            try:
-                measured = store.read(keys[task[0]]) if store.is_done(keys[task[0]]) else None
-                rows = loop.measure_task(revs[task[0]], [revs[n] for n in task], measured=measured)
-            except Terminated as exc:
-                loop.write_failed([revs[n] for n in task if not store.is_done(keys[n])], exc)
-                loop._close(wait=False)
-                if own_cache:
-                    shutil.rmtree(cache, ignore_errors=True)
-                if ours:
-                    exit_terminated(exc)
-                raise
-            except BaseException:
-                loop._close(wait=False)
-                raise
-        loop._close(wait=True)
-    finally:
-        if own_cache:
-            shutil.rmtree(cache, ignore_errors=True)
-    row = rows.get(name) or store.read(keys[name])
-    if row is None or row.get("status") != "ok":
-        error = (row or {}).get("error", "no record written")
-        raise RevisionFailed(f"{s.recipe.model}@{name} failed: {error} (its failed row is in {Path(out_dir) / 'records'})")
-    return row
+    needed = s.needed(t)
+    asked = s.rev(name) if name in t.members else (needed or [s.rev(t.members[0])])[0]
+    if all(store.is_done(done_key(s.key, r.name, r.commit)) for r in needed):
+        return store.read(done_key(s.key, asked.name, asked.commit))
+    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, **loop_opts)
+    with terminate_cleanly() as ours:
+        try:
+            job = loop._start(t)
+            if job is not None:
+                loop._measure(job, loop._await(job))
+                loop._end(job)
+        except BaseException as exc:
+            loop.abandon(exc, every=True)  # its failed rows first (a SIGTERM's SIGKILL follows after KillWait)
+            loop._close(wait=False)
+            if isinstance(exc, Terminated) and ours:
+                exit_terminated(exc)
+            raise
+    loop._close(wait=True)
+    missing = [r for r in needed if not store.is_done(done_key(s.key, r.name, r.commit))]
+    if missing:
+        row = store.read(done_key(s.key, missing[0].name, missing[0].commit)) or {}
+        error = row.get("error", "no record written")
+        raise RevisionFailed(
+            f"{s.recipe.model} task {t.name} ({', '.join(r.name for r in missing)}) failed: {error} "
+            f"(its failed rows are in {Path(out_dir) / 'records'})"
+        )
+    return store.read(done_key(s.key, asked.name, asked.commit))
 
 
-def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[int]:
-    """Indices of the manifest's tasks with a revision not done (failed, killed by a time limit, never run):
-    what to resubmit (``sbatch --array=...``)."""
-    setup, _, _, cache_dir = _split(options, ("claims", "shard", "skip_duplicates", "ablate", "ablation_revision"), "failed_tasks")
-    s = prepare_replay(
-        model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
-    )
+def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[str]:
+    """Names of the manifest's tasks with a member not recorded (failed, killed, never run): what to
+    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices."""
+    s, _, _, _ = _require(model, out_dir, options, ("shard", "ablate", "ablation_revision", "progress", "wandb"), "failed_tasks")
     store = ReplayStore(out_dir)
-    revs = {r.name: r for r in s.revisions}
-    return [i for i, task in enumerate(s.manifest.tasks()) if not all(store.is_done(done_key(s.key, n, revs[n].commit)) for n in task)]
+    return [t.name for t in s.manifest.task_list if not all(store.is_done(done_key(s.key, r.name, r.commit)) for r in s.needed(t))]
 
 
 def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, ablation_revision: str | None = None, **options) -> dict:
-    """After the tasks (a job on ``afterany``): derive the stages over the whole store in step order into
-    ``DIR/trajectory.json``, run the group ablation once (as ``replay`` decides it), and say which of the
-    manifest's revisions failed or are missing. Returns ``{"done", "failed": {revision: error}, "missing",
-    "trajectory", "ablation"}``."""
+    """After the tasks (a job on ``afterany``, never beside running tasks): an attempt that began and never
+    ended (killed by SIGKILL) gets a failed row for each member it did not record, what attempts left in
+    the task folders is swept (unless ``keep_cache``), the stages are derived over the whole store in step
+    order (``DIR/trajectory.json``), the group ablation runs once (as ``replay`` decides it), and it says
+    which planned revisions failed or are missing. Returns ``{"done", "failed": {revision: error},
+    "missing", "skipped", "killed", "trajectory", "ablation"}``."""
     from .ablation import ablation_key, check_ablation, read_ablation
 
-    setup, loop_opts, fetch, cache_dir = _split(options, ("claims", "shard", "skip_duplicates"), "finalize")
-    s = prepare_replay(
-        model, revisions=None, log_spaced=None, cache_dir=cache_dir, shard=None, out_dir=out_dir, manifest="require", **setup
-    )
+    s, loop_opts, fetch, cache_dir = _require(model, out_dir, options, ("shard", "progress", "wandb"), "finalize")
     store = ReplayStore(out_dir)
-    errors = failed_revisions(out_dir)
-    done, failed, missing = [], {}, []
-    for r in s.revisions:
-        if store.is_done(done_key(s.key, r.name, r.commit)):
-            done.append(r.name)
-        elif r.name in errors:
-            failed[r.name] = errors[r.name]
-        else:
-            missing.append(r.name)
+    m = s.manifest
+    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, **loop_opts)
+    killed = []
+    for name, info in attempts.running(out_dir).items():
+        task = next((t for t in m.task_list if t.name == name), None)
+        for r in s.needed(task) if task is not None else ():
+            row = store.read(done_key(s.key, r.name, r.commit))
+            if row is None or (row.get("status") == "failed" and (row.get("written_at") or 0) < info.get("started_at", 0)):
+                store.write({**loop._base(r), "status": "failed", "error": attempts.killed_error(info)})
+                killed.append(r.name)
+        attempts.end(out_dir, name, root=fetch.cache_root, keep=fetch.keep_cache)
+    if not fetch.keep_cache:
+        attempts.sweep(out_dir, [*m.task_names(), *(f"ablation {n}" for n in m.entries)], root=fetch.cache_root)
+    done, failed, missing, skipped = [], {}, [], []
+    for t in m.task_list:
+        for n in t.members:
+            r = s.rev(n)
+            row = store.read(done_key(s.key, n, r.commit))
+            if row is not None and row.get("status") == "skipped" or (s.skip_duplicates and n in s.flags):
+                skipped.append(n)
+            elif row is not None and row.get("status", "ok") == "ok":
+                done.append(n)
+            elif row is not None:
+                failed[n] = row.get("error", "")
+            else:
+                missing.append(n)
     records = merged_records(out_dir)
     fields = ("revision", "step", "tokens", "run", "p0_stage", "induction_state")
     trajectory = [{k: r.get(k) for k in fields} for r in records]
@@ -229,15 +182,18 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     if ablate:
         s.ablation = s.ablation or s.revisions[-1].name
         check_ablation(out_dir, ablation_key(s.key, s.ablation))
-        loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, claims=None, **loop_opts)
         try:
             loop._ablation()
         finally:
             loop._close(wait=True)
         ablation = read_ablation(out_dir)
-    summary = {"done": done, "failed": failed, "missing": missing, "trajectory": trajectory, "ablation": ablation}
+    else:
+        loop._close(wait=True)
+    order = {n: i for i, n in enumerate(m.revisions)}
+    summary = {"done": sorted(done, key=order.get), "failed": failed, "missing": missing, "skipped": skipped, "killed": killed,
+               "trajectory": trajectory, "ablation": ablation}  # fmt: skip
     write_atomic(Path(out_dir) / "trajectory.json", {k: v for k, v in summary.items() if k != "ablation"})
     return summary
 
 
-__all__ = ["MANIFEST_FILE", "RevisionFailed", "failed_tasks", "finalize", "replay_revision", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "RevisionFailed", "array_range", "failed_tasks", "finalize", "replay_revision", "write_manifest"]

@@ -1,9 +1,8 @@
 """Who this replay worker is, whatever launched it (SPEC §8): torchrun, srun, a Slurm array, or a plain process.
 
-Workers never split the revisions by their index: they claim revisions one at a time in the store
-(``claims``), so any number of them, started by any launcher or by hand on several hosts, measure
-each revision once and fast ones take more. The index and count detected here name the worker
-(its records file, its W&B run), pick its GPU, and size the plan's split; nothing else depends on them.
+The index and count detected here are a worker's stride of the manifest's tasks (``run``: it measures
+those first, then what is still missing), name the worker (its records, its W&B run), pick its GPU,
+and size the plan's split.
 
 Launchers, in the order they are recognised (the first that matches decides):
 
@@ -37,8 +36,7 @@ class Worker:
 
     @property
     def id(self) -> str:
-        """Readable: ``srun-1of3.node7.4242``; names the worker's W&B run and its claims. Whether a worker is
-        alive is never judged from it (two PID namespaces can share a hostname and a pid): ``liveness``."""
+        """Readable: ``srun-1of3.node7.4242``; names the worker's W&B run and its records."""
         of = f"{self.index}of{self.count}" if self.count is not None else f"{self.index}"
         tag = "" if self.launcher == "single" else f"{self.launcher}-{of}."
         return _safe(f"{tag}{self.host}.{self.pid}")

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import findings as F
-from ..replay import failed_revisions, merged_records, read_ablation
-from ..replay.provenance import flagged_records, moved_branches
+from ..replay import duplicate_groups, failed_revisions, merged_records, read_ablation
+from ..replay.provenance import moved_branches
+from ..replay.revisions import order_key
 from ..replay.store import stored_records
 from ..reporting.jsonl import read_jsonl
 
@@ -34,7 +35,11 @@ class Store:
         if self.records is merged:
             self.outside = []
         stored = stored_records(self.path)
-        self.flagged = flagged_records(stored)  # duplicates: kept out of the trajectory, listed in the report
+        # duplicates, by the store's manifest (the groups over the whole listing, not each record's stamp): listed, not drawn
+        latest = {r["revision"]: r for r in stored}
+        groups = duplicate_groups(self.path, stored)
+        self.flagged = sorted(({**latest[n], **g} for n, g in groups.items() if n in latest), key=order_key)
+        self.unverified = [r for r in self.records if r.get("weights_unverified")]  # drawn, their weights never checked
         self.moved = moved_branches(stored)  # branches measured at more than one commit
         self.run = None  # a parallel run's name when this is one series of a store (``series``)
         self.model = self.records[-1]["model"]

@@ -42,6 +42,9 @@ def _provenance_lines(s: Store) -> list[str]:
             "|---|---|---|",
         ]
         lines += [f"| {', '.join(g)} | {r['duplicate_of']} | {r.get('duplicate_kind', '—')} |" for g, r in groups.items()] + [""]
+    if s.unverified:
+        lines += ["Unverified weights (drawn, but their weights could not be read to check them against the other revisions'):", ""]
+        lines += [f"- `{r['revision']}`: {r['weights_unverified']}" for r in s.unverified] + [""]
     if s.moved:
         lines += ["Moved branches (measured again at the new commit; the latest record is the one drawn):", ""]
         lines += ["| revision | commits |", "|---|---|"]

@@ -28,7 +28,9 @@ def one_line(record: Mapping[str, Any]) -> str:
     if record.get("revision"):
         parts.append(str(record["revision"]))
     if "sink_rate" in record:
-        parts.append(f"sink {_fmt(record['sink_rate'])} (centre {record['sink_center']}, circuit L{record.get('circuit_layer')})")
+        layer = record.get("circuit_layer")
+        circuit = f"circuit L{layer}" if layer is not None else "no circuit"
+        parts.append(f"sink {_fmt(record['sink_rate'])} (centre {record['sink_center']}, {circuit})")
     if "n_induction_ge50" in record:
         parts.append(f"ind>=50x {record['n_induction_ge50']} >=30x {record['n_induction_ge30']}")
     if "induction_score" in record:

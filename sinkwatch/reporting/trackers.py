@@ -27,7 +27,7 @@ from .wandb_run import scalars  # a pure function: importing it does not import 
 
 EVENTS_TAG = "sinkwatch/events"
 EVENT_CSV = "sinkwatch_events.csv"
-EVENT_COLUMNS = ("step", "tokens", "timeline", "previous", "stage", "since_step", "since_tokens", "level", "message")
+EVENT_COLUMNS = ("step", "tokens", "timeline", "previous", "stage", "first_met_step", "first_met_tokens", "level", "message")
 
 
 def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -40,9 +40,8 @@ def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def event_line(event: dict[str, Any]) -> str:
-    """One readable line: the message, the level and where the rule first held."""
-    since = f"; first held at step {event['since_step']}" if event.get("since_step") is not None else ""
-    return f"[{event.get('level', 'INFO')}] {event['message']}{since}"
+    """One readable line: the level and the message (which names where the rule was first met)."""
+    return f"[{event.get('level', 'INFO')}] {event['message']}"
 
 
 def inherits(obj: Any, class_name: str) -> bool:

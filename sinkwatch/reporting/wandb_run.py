@@ -34,6 +34,7 @@ HEADLINE = (
     "p0_stage",
     "induction_state",
     "circuit_layer",
+    "p0_concentration",
 )
 
 
@@ -56,6 +57,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         "n_induction_ge50",
         "icl_score",
         "probe_seconds",
+        "rho_max",
+        "p0_emergence_block",
+        "p0_persistence",
+        "p0_concentration",
     ):
         put(key, record.get(key))
     put("n_sink_heads", n_sink_heads(record))  # over softmax blocks (hybrid stacks: the others are null)
@@ -65,7 +70,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         put("induction_target_top1", record["induction_target"].get("top1"))
     for k, v in enumerate(record.get("sink_profile") or []):
         put(f"sink_profile/k{k}", v)
-    for name in ("sink_rate_per_layer", "p0_norm_ratio", "p0_direction_consistency"):
+    per_layer = ("sink_rate_per_layer", "p0_norm_ratio", "p0_direction_consistency", "p0_direction_consistency_centered")
+    for name in (*per_layer, "p0_attn_norm_ratio", "p0_mlp_norm_ratio"):
         for l, v in enumerate(record.get(name) or []):
             put(f"{name}/L{l}", v)
     if record.get("p0_stage") in P0_STAGES:
