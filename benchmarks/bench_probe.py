@@ -81,7 +81,7 @@ def worker(mode: str, seq: int, batch: int, repeat: int, threads: int, shape: st
                 return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
             if mode == "eager":
                 return model(input_ids=ids, use_cache=False, output_attentions=True).attentions
-            return monitor.probe(model, track=False)
+            return monitor.probe(model)
 
     gc.collect()
     base = proc_status_mib("VmRSS")

@@ -46,7 +46,7 @@ reset_peak_rss()
 before = proc_status_mib("VmRSS")
 with torch.no_grad():
     if method == "chunked":
-        record = monitor.probe(model, track=False).to_record()
+        record = monitor.probe(model).to_record()
         icl = record["icl_score"]
     else:  # what sinkwatch did before: every position's logits, a float copy, cross-entropy
         logits = model(input_ids=ids, use_cache=False).logits

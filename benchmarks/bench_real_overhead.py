@@ -1,9 +1,9 @@
 """The callback's cost on a real model at its default interval: SmolLM2-135M-Instruct on CPU.
 
 One process, side by side: the median wall time of a training step (AdamW, ``--batch`` x ``--seq``
-tokens of Python source, forward + backward + step) and of one probe with the live defaults (the
-induction probe 100 x 256, the repeated probe 32 x 128, 32 x 64 natural windows from the first
-batch: what ``LiveConfig()`` builds), and the overhead at N = 250: probe / (250 x step).
+tokens of Python source, forward + backward + step) and of one probe with the live defaults
+(``sinkwatch.probes.default_probes`` with natural windows of the first batch: what ``LiveConfig()``
+builds), and the overhead at N = 250: probe / (250 x step).
 
     python benchmarks/bench_real_overhead.py --model DIR [--batch 8] [--seq 512] [--steps 3] [--csv out.csv]
 
@@ -27,8 +27,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe, make_natural_probe
-    from sinkwatch.live import natural_windows
+    from sinkwatch import Monitor
+    from sinkwatch.capture import resolve_target
+    from sinkwatch.probes import LIVE_PROBES, default_probes, natural_windows, probe_of_windows
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -53,11 +54,12 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
     step = statistics.median(step_times[1:])
-    windows = natural_windows(ids, 64, 32)  # up to 32 x 64, as the live default (fewer from a small first batch)
-    natural = make_natural_probe(windows, n=windows.shape[0], seq_len=64, source="first batch")
-    monitor = Monitor([InductionProbe(n=100, seq_len=256), RepeatedRandomProbe(n=32, seq_len=128), natural])
+    n, T = LIVE_PROBES["natural"]
+    windows = natural_windows(ids, T, n)  # the live default's windows (fewer from a small first batch)
+    natural = probe_of_windows(windows, bos_token_id=None, requested=(n, T))
+    monitor = Monitor(default_probes(resolve_target(model).context, natural=natural))  # what LiveConfig() builds
     t0 = time.perf_counter()
-    monitor.probe(model, track=False)
+    monitor.probe(model)
     probe = time.perf_counter() - t0
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "step_s": step, "probe_s": probe, "every": args.every,
            "overhead": probe / (args.every * step)}  # fmt: skip

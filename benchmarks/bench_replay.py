@@ -68,7 +68,7 @@ def worker(shape_name: str, n: int, threads: int) -> dict:
     monitor.probe_sets(50304)
     loaded = proc_status_mib("VmRSS")
     t0 = time.perf_counter()
-    snap = monitor.probe(model, track=False)
+    snap = monitor.probe(model)
     seconds = time.perf_counter() - t0
     assert snap["n_induction_ge30"] >= 0
     return {

@@ -38,7 +38,7 @@ def texts() -> dict[str, Path]:
 
 def probe(model, tokenizer, text: Path, n: int, seq_len: int, bos: bool | None) -> dict:
     natural = NaturalProbe(text_file=str(text), tokenizer=tokenizer, n=n, seq_len=seq_len, bos=bos)
-    return Monitor([natural]).probe(model, track=False).to_record()
+    return Monitor([natural]).probe(model).to_record()
 
 
 def row(group: str, model: str, text: str, record: dict) -> dict:
@@ -102,7 +102,7 @@ def planted_rows() -> list[dict]:
         model = getattr(planted, stage)()
         for bos in (False, True):
             natural = NaturalProbe(tokens=stream, n=24, seq_len=32, bos_token_id=1 if bos else None)
-            rec = Monitor([natural]).probe(model, track=False).to_record()
+            rec = Monitor([natural]).probe(model).to_record()
             rows.append(row("planted", stage + (" +BOS" if bos else ""), "random tokens", rec))
     return rows
 

@@ -38,11 +38,11 @@ def main(argv=None) -> int:
     for backend in ("triton", "torch"):
         monitor = sw.Monitor([sw.InductionProbe(n=args.n, seq_len=args.seq_len), sw.RepeatedRandomProbe(n=args.n)],
                              config=sw.MonitorConfig(backend=backend))  # fmt: skip
-        monitor.probe(model, track=False)  # warm-up: compile / autotune
+        monitor.probe(model)  # warm-up: compile / autotune
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        records[backend] = monitor.probe(model, track=False).to_record()
+        records[backend] = monitor.probe(model).to_record()
         torch.cuda.synchronize()
         result[f"{backend}_s"] = time.perf_counter() - t0
         result[f"{backend}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20

@@ -12,9 +12,9 @@ import argparse
 
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Trainer, TrainingArguments
 
-from sinkwatch import InductionProbe, RepeatedRandomProbe  # (1) import
 from sinkwatch.demo import DemoWindows, add_pretrain_arguments, pretrain_corpus
 from sinkwatch.hf import SinkWatchTrainerCallback
+from sinkwatch.probes import default_probes  # (1) import
 
 
 class Windows(DemoWindows):
@@ -36,10 +36,7 @@ def main():
         every_n_steps=max(1, args.steps // 20),
         out_dir=args.out,
         wandb=args.wandb,
-        probes=[
-            InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
-            RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
-        ],
+        probes=default_probes(args.seq_len, vocab_range=vocab_range),
     )
     targs = TrainingArguments(
         output_dir=args.out,

@@ -14,9 +14,9 @@ import lightning.pytorch as pl
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sinkwatch import InductionProbe, RepeatedRandomProbe  # (1) import
 from sinkwatch.demo import DemoWindows, add_pretrain_arguments, pretrain_corpus
 from sinkwatch.lightning import SinkWatchCallback
+from sinkwatch.probes import default_probes  # (1) import
 
 
 class LM(pl.LightningModule):
@@ -50,10 +50,7 @@ def main():
     )
 
     # (2) probes fitted to the data: byte-level text lives in printable ASCII; tokenizer vocabularies use the paper's range
-    probes = [
-        InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
-        RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
-    ]
+    probes = default_probes(args.seq_len, vocab_range=vocab_range)
     watch = SinkWatchCallback(every_n_steps=max(1, args.steps // 20), out_dir=args.out, probes=probes, wandb=args.wandb)  # (3) the callback
 
     trainer = pl.Trainer(accelerator="gpu" if args.device.startswith("cuda") else "cpu", devices=1, max_steps=args.steps,

@@ -29,9 +29,9 @@ from olmo_core.train import Duration, TrainerConfig, prepare_training_environmen
 from olmo_core.train.callbacks import CheckpointerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
-from sinkwatch import InductionProbe, RepeatedRandomProbe
 from sinkwatch.demo import add_pretrain_arguments, pretrain_corpus
 from sinkwatch.olmo_core import SinkWatchCallback  # (1) import
+from sinkwatch.probes import default_probes
 
 
 def main():
@@ -90,10 +90,7 @@ def main():
     callbacks = {"checkpointer": CheckpointerCallback(save_interval=args.save_interval, save_async=False)}
     if not args.no_sinkwatch:
         # (2) probes fitted to the data: byte-level text lives in printable ASCII; tokenizer vocabularies use the paper's range
-        probes = [
-            InductionProbe(n=100, seq_len=min(256, args.seq_len), vocab_range=vocab_range),
-            RepeatedRandomProbe(n=32, seq_len=min(128, args.seq_len), vocab_range=vocab_range),
-        ]
+        probes = default_probes(args.seq_len, vocab_range=vocab_range)
         every = {} if args.every is None else {"every_n_steps": args.every}
         callbacks["sinkwatch"] = SinkWatchCallback(
             out_dir=str(out / "sinkwatch"), probes=probes, wandb=args.wandb, **every

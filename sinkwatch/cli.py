@@ -79,7 +79,7 @@ def cmd_probe(args) -> int:
         source = str(dense_from_gguf(source))
     model = load_model(source, revision=args.revision, dtype=args.dtype, device=args.device)
     monitor = Monitor(probe_recipes(args, source), config=MonitorConfig(batch_tokens=args.batch_tokens))
-    snap = monitor.probe(model, revision=args.revision, model_name=args.model, track=False)
+    snap = monitor.probe(model, revision=args.revision, model_name=args.model)
     record = snap.to_record()
     # one probe, no history: the tracker's state is the stage rules applied to this probe alone (SPEC §10)
     record.setdefault("p0_stage", record["p0_stage_now"])

@@ -182,7 +182,9 @@ class HeadOutputPart(Part):
     def on_head_output(self, batch, layer, output):
         B, S, H, D = output.shape
         keep = B if self.limit is None else max(0, min(B, self.limit - batch.start))
-        if keep == 0:
+        if keep == 0:  # past the limit (a rank whose share starts there): zeros, its part of the ranks' sum
+            if self.gram[layer] is None:
+                self.gram[layer], self.total[layer] = np.zeros((H, D, D)), np.zeros((H, D))
             return
         idx = torch.as_tensor(self.row[batch][:keep], device=output.device)
         m = output[torch.arange(keep, device=output.device), idx].double()  # (keep, H, D)

@@ -114,7 +114,7 @@ def run_demo(
     from tqdm.auto import tqdm
 
     from .lightning import SinkWatchCallback
-    from .probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
+    from .probes import default_probes
     from .report import build_report
     from .reporting.console import ConsoleReporter
     from .reporting.wandb_run import wandb_mode_from_env
@@ -145,11 +145,7 @@ def run_demo(
             return torch.optim.AdamW(self.parameters(), lr=lr)
 
     events: list[dict] = []
-    probes = [
-        InductionProbe(n=100, seq_len=DEMO_CONTEXT, vocab_range=PRINTABLE),
-        RepeatedRandomProbe(n=32, seq_len=DEMO_CONTEXT, vocab_range=PRINTABLE),
-        NaturalProbe(tokens=corpus[: 32 * 64], n=32, seq_len=64),
-    ]
+    probes = default_probes(DEMO_CONTEXT, vocab_range=PRINTABLE, natural=corpus)  # the live defaults, natural windows of its text
     watch = SinkWatchCallback(
         every_n_steps=every, out_dir=str(out_dir), probes=probes, wandb="disabled" if wandb == "disabled" else "auto",
         console=False, reporters=[ConsoleReporter(write=tqdm.write)], on_event=events.append,
@@ -163,9 +159,9 @@ def run_demo(
             m.pop("v_num", None)
             live = watch.live
             m["tokens"] = f"{live.tokens_seen / 1e6:.2f}M"
-            if live.monitor is not None:
-                m["P0"] = live.monitor.tracker.p0_stage
-                m["induction"] = live.monitor.tracker.induction_state
+            if live.n_probes:
+                m["P0"] = live.tracker.p0_stage
+                m["induction"] = live.tracker.induction_state
             return m
 
     logger = False
@@ -189,7 +185,7 @@ def run_demo(
         _wandb.finish()
     report = build_report([out_dir])
     total_s = time.perf_counter() - t0
-    tracker = watch.live.monitor.tracker
+    tracker = watch.live.tracker
     return {
         "out": str(out_dir),
         "records": str(out_dir / "records.jsonl"),

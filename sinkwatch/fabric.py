@@ -5,20 +5,19 @@ such as LitGPT's ``litgpt pretrain`` (which needs no code change: see ``sinkwatc
 
 Fabric calls two hooks whatever the loop does: ``on_after_setup(fabric, module)`` at the end of
 ``fabric.setup`` (not ``setup_module``, which calls none: one warning then, nothing probed), and
-``on_after_optimizer_step(strategy, optimizer)`` after every ``_FabricOptimizer.step()``. The callback uses them, plus two hooks of its own:
-
-- a forward pre-hook on the ``_FabricModule`` ``fabric.setup`` returns (outside any ``torch.compile``
-  of the model, so no compiled graph sees it): every training forward (``module.training``) hands its
-  (B, T) token ids to the live core, which freezes the natural probe from the first one and counts
-  tokens (times the data-parallel ranks);
-- a one-shot global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
-  which fires before the first optimizer step of the optimizer holding the model's parameters, after
-  the first batch was read and before any weight changed. Its state says where the run stands: empty
-  (step 0) is a fresh run, and the initial model is probed then; a step ``s > 0`` is a resumed run
-  (``fabric.load`` restored the optimizer; Fabric calls no callback on ``save``/``load``), and the
-  callback's state (probe sets, natural windows, counters, stage tracker) is rebuilt from its own
-  store in ``out_dir``: ``probes.json`` and the records up to step ``s`` (later lines, from a timeline
-  that was rolled back, move to ``*.superseded.jsonl``), and the schedule continues at ``s + 1``.
+``on_after_optimizer_step(strategy, optimizer)`` after every ``_FabricOptimizer.step()``. The callback uses
+them, plus a forward pre-hook of its own on the ``_FabricModule`` ``fabric.setup`` returns (outside any
+``torch.compile`` of the model, so no compiled graph sees it): every training forward (``module.training``)
+hands its (B, T) token ids to the live core, which freezes the natural probe from the first one and counts
+tokens (times the data-parallel ranks). The first training forward also says where the run stands, before
+any backward: the optimizer holding the model's parameters (Fabric hands callbacks none; it is found among
+the live optimizers) has an empty state (step 0) in a fresh run, and the initial model is probed there and
+then, before its forward (never between a backward and its optimizer step, where FSDP's gathered
+parameters would stand in for the updated shards); a step ``s > 0`` is a resumed run (``fabric.load``
+restored the optimizer; Fabric calls no callback on ``save``/``load``), and the callback's state (probe
+sets, natural windows, counters, stage tracker) is rebuilt from its own store in ``out_dir``:
+``probes.json`` and the records up to step ``s`` (later lines, from a timeline that was rolled back, move
+to ``*.superseded.jsonl``), and the schedule continues at ``s + 1``.
 
 Optimizer steps are counted from there (one per ``on_after_optimizer_step``); every ``every_n_steps``-th
 is probed right after the optimizer step, before the loop saves a checkpoint at it, so a record at
@@ -111,7 +110,7 @@ class SinkWatchFabricCallback:
         self._litgpt = False
         self._params: set[int] = set()
         self._batch_hook = None
-        self._step_hook = None
+        self._tokens_at_start: int | None = None  # a resumed run's token count as stored (the first step adds to it)
         self._finished = False
 
     # ---- Fabric hooks ------------------------------------------------------------------------
@@ -136,10 +135,7 @@ class SinkWatchFabricCallback:
         self._fabric_module = module
         self._litgpt = type(self.live.target).__name__ == "LitGPTTarget"  # GPT.forward(idx, input_pos, ...)
         self._params = {id(p) for p in bare.parameters()}
-        self._batch_hook = module.register_forward_pre_hook(self._read_batch, with_kwargs=True)
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        self._step_hook = register_optimizer_step_pre_hook(self._before_first_step)
+        self._batch_hook = module.register_forward_pre_hook(self._read_batch, with_kwargs=True, prepend=True)
         atexit.register(self.finish)
 
     def on_after_optimizer_step(self, strategy, optimizer) -> None:
@@ -150,8 +146,12 @@ class SinkWatchFabricCallback:
                 "optimizer]) (fabric.setup_module calls no callback)",
             )
             return
-        if self.step is None:  # the pre-step hook did not fire (e.g. a step the AMP scaler skipped)
-            self._start(optimizer)
+        if self.step is None:  # no training forward went through the module fabric.setup returned
+            self._start(optimizer, before_backward=False)
+        if self._tokens_at_start is not None:  # a resumed run's first step: tokens per step are known now
+            per_step, self._tokens_at_start = self.live.tokens_seen - self._tokens_at_start, None
+            if self.config.tokens_per_step is None and per_step > 0:
+                self.live.tokens_seen = per_step * (self.step + 1)  # constant tokens per step (LitGPT: fixed-length batches)
         self.step += 1
         self.live.step_end(self.step)
         if self.max_steps is not None and self.step >= self.max_steps:
@@ -171,22 +171,25 @@ class SinkWatchFabricCallback:
         if isinstance(ids, torch.Tensor):
             batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
             self.live.batch_start(batch)
+            if self.step is None:  # the first training forward: where the run stands, before any backward
+                self._start(self._optimizer(), before_backward=True)
             self.live.batch_end(batch)
         return None
 
-    def _before_first_step(self, optimizer, args, kwargs) -> None:
-        if self.step is not None or not self._owns(optimizer):
-            return
-        self._remove_step_hook()
-        self._start(optimizer)
+    def _optimizer(self):
+        """The optimizer holding the model's parameters (None: none found): Fabric hands callbacks no
+        optimizer, so it is looked up once, at the first training forward, among the live objects."""
+        import gc
 
-    def _owns(self, optimizer) -> bool:
-        return any(id(p) in self._params for group in optimizer.param_groups for p in group["params"])
+        for obj in gc.get_objects():  # type(), not isinstance(): a weak proxy to a dead object raises on its __class__
+            if issubclass(type(obj), torch.optim.Optimizer) and any(id(p) in self._params for g in obj.param_groups for p in g["params"]):
+                return obj
+        return None
 
-    def _start(self, optimizer) -> None:
-        """Where the run stands, before its first optimizer step in this process."""
-        self._remove_step_hook()
-        done = optimizer_steps(optimizer)
+    def _start(self, optimizer, *, before_backward: bool) -> None:
+        """Where the run stands, at its first training forward in this process (``before_backward``; else
+        after its first optimizer step, when no forward went through the module: step 0 is not probed)."""
+        done = optimizer_steps(optimizer) if optimizer is not None else None
         if done is None:
             last = _last_stored_step(self.config.out_dir) if self.live.rank.reports_here else None
             done = _broadcast(last) or 0
@@ -196,10 +199,14 @@ class SinkWatchFabricCallback:
             )
         self.step = done
         if done == 0:
-            self.live.step_end(0)  # the initial model, with the natural probe the first batch froze
+            if before_backward:
+                self.live.step_end(0)  # the initial model, with the natural probe the first batch froze
+            else:
+                self.live._warn(
+                    "step0", "sinkwatch: no training forward went through the module fabric.setup returned; step 0 is not probed"
+                )
             return
         self.resumed_from = done
-        counted = self.live.tokens_seen  # this step's micro-batches so far, all ranks
         stages = self.config.monitor.stages
         state = state_from_store(self.config.out_dir, done, stages) if self.live.rank.reports_here else None
         state = _broadcast(state)
@@ -209,30 +216,19 @@ class SinkWatchFabricCallback:
             stored = state.get("config_hash")
             if stored is not None and stored != self.live.config_hash and self.live.tracker_since_step != since:
                 # thresholds changed (the probe sets' change is handled by load_state_dict): a new tracker segment
-                from .stages import StageTracker
-
-                self.live.tracker_since_step = since
-                self.live.monitor.tracker = StageTracker(stages)
+                self.live.restart_tracker(since)
                 self.live._warn(
                     "resume-config",
                     f"sinkwatch: resumed at step {done} with changed options (config_hash {stored} -> {self.live.config_hash}); "
                     f"the stage tracker starts a new segment at step {since}",
                 )
-        if self.config.tokens_per_step is None and counted:
-            self.live.tokens_seen = counted * (done + 1)  # constant tokens per step (LitGPT: fixed-length batches)
-            self.live.tokens_counted = True
-
-    def _remove_step_hook(self) -> None:
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        self._tokens_at_start = self.live.tokens_seen
 
     def finish(self) -> None:
         """Close the reporters (W&B); called at ``max_steps``, at interpreter exit, or by you."""
         if self._finished or self._fabric_module is None:
             return
         self._finished = True
-        self._remove_step_hook()
         if self._batch_hook is not None:
             self._batch_hook.remove()
             self._batch_hook = None

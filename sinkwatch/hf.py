@@ -10,9 +10,13 @@ see the batches, so a forward pre-hook on the model reads each training forward'
 (and ``attention_mask``): the natural probe is frozen from the first micro-batch the trainer
 actually feeds — map-style or streaming (``IterableDataset``) data alike; sinkwatch never reads
 dataset items itself — and tokens are counted from every batch fed (or taken from the Trainer's own
-``num_input_tokens_seen`` when ``include_num_input_tokens_seen`` is on). The step-0 probe then runs
-in ``on_pre_optimizer_step`` of the first step: after the first batch was read, before any weight
-changed. Its state rides in ``TrainerState`` (``ExportableState``) and is restored on
+``num_input_tokens_seen`` when ``include_num_input_tokens_seen`` is on). The step-0 probe runs in that
+same pre-hook of the first training forward, before any weight changed and before any backward (a
+probe between a backward and its optimizer step would leave FSDP's gathered parameters standing in for
+the updated shards; under DeepSpeed the optimizer steps inside ``backward``). With
+``load_best_model_at_end``, the last trained weights are probed just before the best checkpoint is
+loaded over them (a ``load_state_dict`` pre-hook), whatever stopped the run (epoch evaluation with
+``EarlyStoppingCallback``). Its state rides in ``TrainerState`` (``ExportableState``) and is restored on
 ``resume_from_checkpoint`` whether or not ``restore_callback_states_from_checkpoint`` is set.
 """
 
@@ -48,11 +52,11 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
         tokens_per_step: tokens per optimizer step (default None: the Trainer's ``num_input_tokens_seen`` when
             ``include_num_input_tokens_seen`` is on, else counted from the batches fed, times data-parallel ranks).
-        probes: probe recipes or ``ProbeSet``s (default None: induction 100 x 256, repeated 32 x 128 and
-            natural windows, fitted to the model).
+        probes: probe recipes or ``ProbeSet``s (default None: ``sinkwatch.probes.default_probes`` fitted to the
+            model, natural windows included).
         natural: with the default probes, freeze natural windows from the first training batch fed (default True).
-        natural_n: natural windows (default 32).
-        natural_seq_len: tokens per natural window (default 64).
+        natural_n: natural windows (default: ``sinkwatch.probes.LIVE_PROBES``).
+        natural_seq_len: tokens per natural window (default: ``sinkwatch.probes.LIVE_PROBES``).
         monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
         stages: shortcut for ``monitor=MonitorConfig(stages=StageConfig(...))``.
         wandb: "auto" (the trainer's run, else one started offline or as WANDB_MODE says), "online",
@@ -88,8 +92,9 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         self.live = LiveMonitor(self.config)
         self.sinkwatch_state: dict | None = None  # set by transformers' own callback restore
         self._hook = None  # the forward pre-hook that reads training batches
-        self._step0_pending = False  # the step-0 probe waits for the first batch (natural probe)
-        self._step0_in_forward = False  # DeepSpeed: the step-0 probe runs in the first training forward's pre-hook
+        self._reload_hook = None  # load_best_model_at_end: the last trained weights are probed before they are replaced
+        self._state = None  # the Trainer's state (the reload hook reads its step)
+        self._step0_pending = False  # the step-0 probe waits for the first training forward
         self._integrations = None  # the report_to integrations' reporter, set at train begin
         if not restored:
             _latest = weakref.ref(self)
@@ -111,22 +116,20 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         )
         self._report_to_integrations(args, state, control, model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = model.register_forward_pre_hook(self._read_batch, with_kwargs=True)
+        self._remove_hooks()
+        # first in line: before FSDP2's own pre-forward all-gather (and FSDP's root forward), so a probe here runs on a model at rest
+        # never traced: under the Trainer's torch_compile the model's hooks run inside the compiled module's call
+        self._hook = model.register_forward_pre_hook(torch.compiler.disable(self._read_batch), with_kwargs=True, prepend=True)
+        self._state = state
+        if getattr(args, "load_best_model_at_end", False):
+            self._reload_hook = model.register_load_state_dict_pre_hook(self._before_reload)
         saved = self.sinkwatch_state or _saved_state(state, type(self).__name__)
         # a resumed run (global_step > 0) or transformers' own restore: the checkpoint's state, even one saved
         # before the first probe (its token count and natural probe); never the fresh state TrainerState collects at init
         if saved is not None and (self.sinkwatch_state is not None or state.global_step > 0):
             self.live.load_state_dict(saved)
-        # DeepSpeed (ZeRO-1/2): accelerate's backward runs engine.step(), so on_pre_optimizer_step comes after the first
-        # update; the step-0 probe then runs in the first training forward's pre-hook, before any backward
-        self._step0_in_forward = deepspeed_configured(args)
-        if state.global_step == 0:
-            # the natural probe is part of every record, step 0 included: probe once the first batch is read
-            self._step0_pending = self.live.natural is None and self.config.natural and self.config.probes is None
-            if not self._step0_pending:
-                self.live.step_end(0)
+        # the step-0 probe, with the natural probe the first batch freezes, runs in the first training forward's pre-hook
+        self._step0_pending = state.global_step == 0
 
     def _read_batch(self, module, args, kwargs):
         """Forward pre-hook: the first training batch freezes the natural probe; every one is counted."""
@@ -138,19 +141,26 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         if isinstance(ids, torch.Tensor):
             batch = {"input_ids": ids, "attention_mask": kwargs.get("attention_mask")}
             self.live.batch_start(batch)
-            if self._step0_pending and self._step0_in_forward:  # the first batch is read; no weight has changed yet
+            if self._step0_pending:  # the first batch is read; no weight has changed yet, no backward has run
                 self._step0_pending = False
                 self.live.step_end(0)
             if not self._trainer_counts_tokens:
                 self.live.batch_end(batch)
         return None
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self._step0_pending and state.global_step == 0:  # weights still the initial ones
-            self._step0_pending = False
-            self.live.step_end(0)
+    def _before_reload(self, *args, **kwargs):
+        """``load_state_dict`` pre-hook (``load_best_model_at_end``): the Trainer is about to load the best
+        checkpoint over the last trained weights; probe those first, at the step they were trained to."""
+        if self._state is not None and self._state.global_step > 0:
+            self._sync_tokens(self._state)
+            self.live.train_end(self._state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self._step0_pending:  # no training forward went through the model's own forward: step 0 cannot be probed now
+            self._step0_pending = False
+            self.live._warn(
+                "step0", "sinkwatch: no training forward reached the model's forward before the first step; step 0 is not probed"
+            )
         self._sync_tokens(state)
         self.live.step_end(state.global_step)
         if control.should_training_stop:
@@ -182,9 +192,15 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
         else:
             self.live.train_end(state.global_step)
         self.live.finish()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for name in ("_hook", "_reload_hook"):
+            hook = getattr(self, name)
+            if hook is not None:
+                hook.remove()
+                setattr(self, name, None)
+        self._state = None
 
     def _report_to_integrations(self, args, state, control, model) -> None:
         # the scalars go through the Trainer's own logging path to every report_to integration
@@ -243,16 +259,6 @@ def mixed_precision_dtype(args):
     if getattr(args, "fp16", False):
         return torch.float16
     return None
-
-
-def deepspeed_configured(args) -> bool:
-    """Whether the Trainer runs under DeepSpeed (``TrainingArguments(deepspeed=...)``, its
-    ``hf_deepspeed_config``, or accelerate's DeepSpeed plugin): then accelerate's ``backward`` steps the
-    optimizer (``DeepSpeedEngineWrapper.backward`` runs ``engine.step()``) and the optimizer wrapper's
-    own ``step`` is a no-op, so ``on_pre_optimizer_step`` of step 0 already sees updated weights."""
-    if getattr(args, "deepspeed", None) or getattr(args, "hf_deepspeed_config", None) is not None:
-        return True
-    return getattr(getattr(args, "_accelerator_state", None), "deepspeed_plugin", None) is not None
 
 
 def zero3_configured(args) -> bool:

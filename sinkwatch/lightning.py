@@ -97,11 +97,11 @@ class SinkWatchCallback(Callback):
         probe_at_end: probe the last step if not already probed, before the checkpoint saved at it (default True).
         out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
         tokens_per_step: tokens per optimizer step (default None: counted from the training batches).
-        probes: probe recipes or ``ProbeSet``s (default None: induction 100 x 256, repeated 32 x 128 and
-            natural windows, fitted to the model).
+        probes: probe recipes or ``ProbeSet``s (default None: ``sinkwatch.probes.default_probes`` fitted to the
+            model, natural windows included).
         natural: with the default probes, freeze natural windows from the first training batch (default True).
-        natural_n: natural windows (default 32).
-        natural_seq_len: tokens per natural window (default 64).
+        natural_n: natural windows (default: ``sinkwatch.probes.LIVE_PROBES``).
+        natural_seq_len: tokens per natural window (default: ``sinkwatch.probes.LIVE_PROBES``).
         monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
         stages: shortcut for ``monitor=MonitorConfig(stages=StageConfig(...))``.
         wandb: "auto" (the trainer's run, else one started offline or as WANDB_MODE says), "online",

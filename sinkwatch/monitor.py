@@ -6,6 +6,9 @@ computed live at step N equals the one replay computes on the checkpoint saved a
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import re
 import time
 import warnings
@@ -27,7 +30,7 @@ from .probe_share import ProbeShare, State, combine, micro_batches
 from .probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, RepeatedRandomProbe
 from .records import device_of, versions
 from .snapshot import Snapshot
-from .stages import StageConfig, StageTracker, classify
+from .stages import StageConfig, classify
 
 PROTOCOLS = ("sinkwatch", "paper")
 PAPER_PR_SEQUENCES = 500  # the paper's PR: the first 500 induction-probe sequences (its --n-examples 500)
@@ -83,7 +86,6 @@ class Monitor:
                 raise TypeError(f"probes must be probe recipes or ProbeSets, got {type(p).__name__}")
         order = {"natural": 0, "induction": 1, "repeated": 2}
         self.probes = sorted(probes, key=lambda p: order[p.kind])
-        self.tracker = StageTracker(self.config.stages)
         self._built: dict[int, list[ProbeSet]] = {}
 
     # ---- probe sets ----
@@ -99,6 +101,17 @@ class Monitor:
     def probe_hashes(self, vocab_size: int) -> dict[str, str]:
         return {s.kind: s.hash for s in self.probe_sets(vocab_size)}
 
+    def config_hash(self, vocab_size: int) -> str:
+        """12 hex digits naming what makes records comparable: the probe sets' hashes, the stage
+        thresholds and the metric settings (K, epsilon)."""
+        payload = {
+            "probes": dict(sorted(self.probe_hashes(vocab_size).items())),
+            "stages": self.config.stages.to_dict(),
+            "n_first": self.config.n_first,
+            "sink_epsilon": self.config.sink_epsilon,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
     # ---- probing ----
     def probe(
         self,
@@ -108,15 +121,15 @@ class Monitor:
         tokens: int | None = None,
         revision: str | None = None,
         model_name: str | None = None,
-        track: bool = True,
         share: ProbeShare | None = None,
     ) -> Snapshot:
         """Probe ``model`` (left exactly as found) and return its Snapshot.
 
         ``model``: a transformers model or anything holding one (LightningModule, PEFT, compiled,
-        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. With ``track`` the monitor's
-        StageTracker consumes the record (``p0_stage``, ``induction_state``, declared events in
-        ``snapshot.events``).
+        DDP), a module with ``sinkwatch_target()``, or a ``CustomTarget``. The record's ``*_now`` keys
+        (and ``p0_stage_by_anchor``) are the stage rules applied to this probe alone; a run's history
+        (``p0_stage``, ``induction_state``, ``stages_visited``, events) is a ``StageTracker``'s, kept by whoever tracks a run (the live
+        monitor, replay).
 
         ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe_share``):
         every rank of the share must call ``probe`` together; each runs its sequences, one all-reduce
@@ -179,13 +192,7 @@ class Monitor:
             tokens=tokens,
         )
         record = snap.to_record()
-        if track:
-            snap.events = self.tracker.update(record)
-            keys = ("p0_stage", "induction_state", "p0_stage_now", "induction_state_now", "p0_stage_by_anchor", "stages_visited")
-        else:
-            record.update(classify(record, self.config.stages))
-            keys = ("p0_stage_now", "induction_state_now", "p0_stage_by_anchor")
-        snap.values.update({k: record[k] for k in keys if k in record})
+        snap.values.update(classify(record, self.config.stages))  # this probe alone; a run's stages are a StageTracker's
         return snap
 
     def _p0_anchor(self, natural: ProbeSet, fed: dict, twin: dict | None) -> dict:
@@ -590,3 +597,21 @@ def _parse_head(h) -> tuple[int, int]:
         return int(m.group(1)), int(m.group(2))
     l, hh = h
     return int(l), int(hh)
+
+
+def has_non_finite(values: dict) -> bool:
+    """Whether a probe's attention statistics hold NaN or inf (NaN/inf activations): recorded as null."""
+    # PR is left out: a head whose output is exactly zero has an undefined PR without any fault.
+    # Blocks without softmax attention (hybrid stacks) are NaN rows of the attention arrays by design.
+    softmax = values.get("softmax_layers")
+    for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
+        v = values.get(key)
+        if v is None:
+            continue
+        v = np.asarray(v, dtype=float)
+        if key != "p0_norm_ratio" and softmax is not None:
+            v = v[list(softmax)]
+        if not np.all(np.isfinite(v)):
+            return True
+    v = values.get("sink_rate")
+    return v is not None and not math.isfinite(v)

@@ -158,7 +158,7 @@ def resolve_vocab_range(vocab_size: int, requested: Sequence[int] | None = None)
 
 
 # ---- builders ---------------------------------------------------------------------------------
-def make_induction_probe(n: int = 500, seq_len: int = 256, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 42) -> ProbeSet:
+def make_induction_probe(n: int, seq_len: int, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 42) -> ProbeSet:
     """The paper's induction batch (Xu 2026), drawn sequence by sequence from RandomState(seed).
 
     Per sequence, in this order: ``seq = randint(lo, hi, size=T)``; A, B distinct from
@@ -230,7 +230,7 @@ def baseline_positions(seq_len: int, count: int = 50, seed: int = 0) -> np.ndarr
 
 
 def make_repeated_random_probe(
-    n: int = 64, half_len: int = 64, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1
+    n: int, half_len: int, *, vocab_range: tuple[int, int] = PAPER_VOCAB_RANGE, seed: int = 1
 ) -> ProbeSet:
     """Random tokens R (n, L) followed by R again: ``RandomState(seed).randint(lo, hi, size=(n, L))``."""
     lo, hi = (int(x) for x in vocab_range)
@@ -244,7 +244,7 @@ def make_repeated_random_probe(
 
 
 def make_natural_probe(
-    tokens: torch.Tensor | np.ndarray | Sequence[int], n: int = 100, seq_len: int = 64, *, bos_token_id: int | None = None, source: str = ""
+    tokens: torch.Tensor | np.ndarray | Sequence[int], n: int, seq_len: int, *, bos_token_id: int | None = None, source: str = ""
 ) -> ProbeSet:
     """``n`` windows of ``seq_len`` tokens from the user's own data.
 
@@ -274,6 +274,129 @@ def make_natural_probe(
         windows = torch.cat([torch.full((n, 1), int(bos_token_id), dtype=torch.int64), windows], dim=1)
     params = {"n": n, "seq_len": T, "bos_token_id": bos_token_id, "source": source}
     return ProbeSet("natural", windows.clone(), {}, params)
+
+
+# ---- natural windows cut from a training batch (the live natural probe) ----------------------------
+def input_ids_of(batch) -> torch.Tensor | None:
+    """The (B, T) token ids in a training batch: a tensor, dict["input_ids"], or the first item of a tuple/list."""
+    if isinstance(batch, torch.Tensor):
+        ids = batch
+    elif isinstance(batch, dict) or hasattr(batch, "keys"):
+        ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    elif isinstance(batch, (tuple, list)) and batch:
+        ids = batch[0] if isinstance(batch[0], torch.Tensor) else None
+    else:
+        ids = None
+    if ids is None or ids.dtype.is_floating_point or ids.dim() != 2:
+        return None
+    return ids
+
+
+def attention_mask_of(batch, ids: torch.Tensor) -> torch.Tensor | None:
+    """The batch's (B, T) ``attention_mask`` (1 = real token), when it has one of the ids' shape."""
+    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        return mask
+    return None
+
+
+def bos_of_batch(ids: torch.Tensor, bos_token_id: int | None, *, attention_mask: torch.Tensor | None = None) -> int | None:
+    """``bos_token_id`` when every row of a (B, T) batch starts with it (after any left padding): a
+    run trained with a BOS at every sequence start; else None."""
+    if bos_token_id is None or ids is None or ids.dim() != 2 or ids.shape[1] < 1:
+        return None
+    ids = ids.detach().to("cpu", torch.int64)
+    if attention_mask is not None:
+        first = (attention_mask.detach().to("cpu") != 0).int().argmax(dim=1)  # the first real token of each row
+        starts = ids.gather(1, first[:, None])[:, 0]
+    else:
+        starts = ids[:, 0]
+    return int(bos_token_id) if bool((starts == int(bos_token_id)).all()) else None
+
+
+def natural_windows(
+    ids: torch.Tensor,
+    seq_len: int,
+    n: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Up to ``n`` windows (m, seq_len) of real tokens from a (B, T) training batch, spread over its rows.
+
+    Each row's real tokens (``attention_mask`` 1; without a mask, the row minus any leading or
+    trailing run of ``pad_token_id``, i.e. left or right padding) are cut into consecutive
+    non-overlapping windows; windows are then taken round-robin, row 0's first, row 1's first, ...,
+    row 0's second, ..., so a (8, 2048) batch gives 32 windows from all 8 rows, not 32 from row 0.
+    With ``bos_token_id`` (a run whose rows start with that BOS: ``bos_of_batch``) every window is
+    the BOS followed by ``seq_len - 1`` tokens of its row after the row's own BOS, so a window cut
+    mid-row starts the way the model saw every sequence start in training.
+    """
+    ids = ids.detach().to("cpu", torch.int64)  # (B, T)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    if attention_mask is not None:
+        keep = attention_mask.detach().to("cpu") != 0
+    elif pad_token_id is not None:
+        is_pad = ids == int(pad_token_id)
+        real = ~is_pad
+        # a position is padding when every token before it, or every token after it, is padding
+        keep = (real.cumsum(1) > 0) & (real.flip(1).cumsum(1).flip(1) > 0)
+    per_row = []
+    body = seq_len - (bos_token_id is not None)
+    for row, ok in zip(ids, keep):
+        tokens = row[ok]
+        if bos_token_id is not None:
+            tokens = tokens[1:] if tokens.numel() and int(tokens[0]) == int(bos_token_id) else tokens
+        m = tokens.numel() // body if body > 0 else 0
+        windows = tokens[: m * body].view(m, body)
+        if bos_token_id is not None:
+            windows = torch.cat([torch.full((m, 1), int(bos_token_id), dtype=torch.int64), windows], dim=1)
+        per_row.append(windows)
+    picked = []
+    for j in range(max((w.shape[0] for w in per_row), default=0)):
+        for w in per_row:
+            if j < w.shape[0] and len(picked) < n:
+                picked.append(w[j])
+    return torch.stack(picked) if picked else torch.empty(0, seq_len, dtype=torch.int64)
+
+
+def batch_windows(
+    ids: torch.Tensor, attention_mask: torch.Tensor | None, *, n: int, seq_len: int, context: int | None, config
+) -> torch.Tensor:
+    """The (m, T) natural windows of a first training batch (m may be 0), ``T = min(seq_len, the batch's
+    length, context)``, padding and BOS read from the batch and the model's ``config`` (SPEC §3): a run
+    whose rows all start with the model's BOS gets windows that all start with it too."""
+    T = min(seq_len, ids.shape[1], context or ids.shape[1])
+    pad_id = getattr(config, "pad_token_id", None) if attention_mask is None else None
+    bos = bos_of_batch(ids, getattr(config, "bos_token_id", None), attention_mask=attention_mask)
+    return natural_windows(ids, T, n, attention_mask=attention_mask, pad_token_id=pad_id, bos_token_id=bos)
+
+
+def short_windows(windows: torch.Tensor, n: int, seq_len: int) -> str | None:
+    """The warning when a first batch gives fewer or shorter windows than asked (None: it does not)."""
+    m, T = windows.shape
+    if m >= n and T >= seq_len:
+        return None
+    return (
+        f"sinkwatch: the first training batch gives {m} natural windows of {T} tokens where {n} x {seq_len} were asked; the "
+        "natural probe is frozen from it (step 0 is probed before any later batch arrives, and every record uses the same "
+        "windows), so later, longer batches change nothing. Records say natural_probe {n, seq_len}. Lower natural_n / "
+        "natural_seq_len, make the first batch longer, or pass probes=[..., make_natural_probe(tokens, n, seq_len)] built "
+        "from your data."
+    )
+
+
+def probe_of_windows(windows: torch.Tensor, *, bos_token_id: int | None, requested: tuple[int, int]) -> ProbeSet:
+    """The natural probe of frozen windows (m, T); its params say what was asked (``requested`` n and
+    seq_len) beside what the windows hold, so a short first batch shows in every record."""
+    n, T = windows.shape
+    if bos_token_id is not None and bool((windows[:, 0] == int(bos_token_id)).all()):  # BOS windows: the params say so
+        probe = make_natural_probe(windows[:, 1:], n=n, seq_len=T, bos_token_id=int(bos_token_id), source="first training batch")
+    else:
+        probe = make_natural_probe(windows, n=n, seq_len=T, source="first training batch")
+    probe.params.update({"requested_n": requested[0], "requested_seq_len": requested[1]})
+    return probe
 
 
 def tokenizer_bos(tokenizer) -> int | None:
@@ -412,3 +535,32 @@ class NaturalProbe:
 
 
 ProbeRecipe = InductionProbe | RepeatedRandomProbe | NaturalProbe
+
+
+# ---- the live defaults ---------------------------------------------------------------------------------
+# The probes of a live run (the callbacks, the demo, the recipes), as (sequences, tokens per sequence):
+# cheap enough to run every few hundred steps, large enough for stable statistics. The recipes' own
+# defaults above are a one-shot probe's (the paper's scale); a live run fits these to the model.
+LIVE_PROBES = {"induction": (100, 256), "repeated": (32, 128), "natural": (32, 64)}
+
+
+def default_probes(context: int | None, *, vocab_range: tuple[int, int] | None = None, natural=None) -> list:
+    """The live probe sets fitted to a model's ``context`` (None: 2048): the induction probe (its tokens
+    cut to the context; none when that leaves fewer than ``MIN_INDUCTION_SEQ_LEN``), the repeated-random
+    probe (an even length), and ``natural`` when given: frozen windows (a ``ProbeSet``), or a token stream
+    cut into ``LIVE_PROBES["natural"]`` windows. ``vocab_range``: the synthetic probes' token ids (a
+    byte-level model's printable range; None: the paper's range fitted to the vocabulary)."""
+    ctx = context or 2048
+    probes: list = []
+    n, T = LIVE_PROBES["induction"]
+    if min(T, ctx) >= MIN_INDUCTION_SEQ_LEN:
+        probes.append(InductionProbe(n=n, seq_len=min(T, ctx), vocab_range=vocab_range))
+    n, T = LIVE_PROBES["repeated"]
+    if min(T, ctx) // 2 * 2 >= 4:
+        probes.append(RepeatedRandomProbe(n=n, seq_len=min(T, ctx) // 2 * 2, vocab_range=vocab_range))
+    if isinstance(natural, ProbeSet):
+        probes.append(natural)
+    elif natural is not None:
+        n, T = LIVE_PROBES["natural"]
+        probes.append(NaturalProbe(tokens=natural, n=n, seq_len=T))
+    return probes

@@ -45,7 +45,6 @@ class Snapshot:
     revision: str | None = None
     step: int | None = None
     tokens: int | None = None
-    events: list = field(default_factory=list)  # StageEvents declared by this probe
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]

@@ -31,7 +31,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from torchtitan.trainer import Trainer
 
 from .fabric import _broadcast, state_from_store
@@ -107,10 +106,9 @@ class SinkWatchTrainer(Trainer):
         options = getattr(self.config, "sinkwatch", None) or SinkWatchOptions()
         self.sinkwatch = LiveMonitor(live_config or options.live_config())
         dp = max(1, int(getattr(pd, "dp_replicate", 1) or 1)) * max(1, int(getattr(pd, "dp_shard", 1) or 1))
+        # under fully_shard's MixedPrecisionPolicy (training.mixed_precision_param, bf16 by default) the probe computes as
+        # training does, in the dtype the all-gathers cast to, and its records say so (ProbeLayout)
         self.sinkwatch.setup(self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp)
-        param_dtype = _fsdp_param_dtype(self.model_parts[0], self.config)
-        if param_dtype is not None:  # the probe computes as training does (no autocast) and its records say so
-            self.sinkwatch._compute_dtype = (param_dtype, False)
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
         self._sinkwatch_start = True  # the first batch of a fresh run probes the initial model
@@ -123,16 +121,14 @@ class SinkWatchTrainer(Trainer):
         if self._sinkwatch_start:
             self._sinkwatch_start = False
             if self.step <= 1:  # before the first forward: the weights are the initial ones
-                with _eager():
-                    self.sinkwatch.step_end(0)
+                self.sinkwatch.step_end(0)
         return inputs, labels, extra_kwargs
 
     def train_step(self, data_iterator):
         super().train_step(data_iterator)
-        with _eager():
-            self.sinkwatch.step_end(self.step)
-            if self.step >= self.config.training.steps:
-                self.sinkwatch.train_end(self.step)
+        self.sinkwatch.step_end(self.step)
+        if self.step >= self.config.training.steps:
+            self.sinkwatch.train_end(self.step)
         if self.step >= self.config.training.steps:
             self.sinkwatch.finish()
 
@@ -205,24 +201,3 @@ def __dir__() -> list[str]:  # what ConfigManager lists when --config names no f
         with contextlib.suppress(ImportError):
             names.update(_stock_config_names(family))
     return sorted(names)
-
-
-def _fsdp_param_dtype(model, config) -> torch.dtype | None:
-    """The dtype ``fully_shard``'s MixedPrecisionPolicy casts the parameters to at every all-gather, probe
-    forwards included (torchtitan's ``training.mixed_precision_param``: bfloat16 by default), where it
-    differs from the parameters' own; None where the model is not sharded or nothing is cast."""
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import TORCH_DTYPE_MAP
-
-    if not isinstance(model, FSDPModule):
-        return None
-    dtype = TORCH_DTYPE_MAP.get(getattr(getattr(config, "training", None), "mixed_precision_param", None))
-    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return dtype if dtype is not None and dtype != own else None
-
-
-@contextlib.contextmanager
-def _eager():
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
-        yield

@@ -62,18 +62,18 @@ def fsdp2(module, device_mesh):
     return module
 
 
-def _train(cell: Path, strategy) -> tuple:
+def _train(cell: Path, strategy, *, watched: bool = True) -> tuple:
     from lightning.fabric import Fabric
 
     from sinkwatch.fabric import SinkWatchFabricCallback
 
-    cb = SinkWatchFabricCallback(every_n_steps=EVERY, out_dir=str(cell / "sw"))
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, callbacks=[cb])
+    cb = SinkWatchFabricCallback(every_n_steps=EVERY, out_dir=str(cell / "sw")) if watched else None
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, callbacks=[cb] if watched else [])
     fabric.launch()
     model = fabric.setup(tiny_gpt())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     data = rows(_rank())
-    first = None
+    first, losses = None, []
     for step in range(STEPS):
         batch = data[MICRO * step : MICRO * (step + 1)]
         first = batch[:, :-1].clone() if first is None else first
@@ -82,15 +82,18 @@ def _train(cell: Path, strategy) -> tuple:
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
+    if not watched:
+        return fabric, model, losses
     torch.save({"input_ids": first}, cell / f"first-rank{_rank()}.pt")
     if cb.live.natural is not None:
         torch.save(cb.live.natural.tokens, cell / f"natural-rank{_rank()}.pt")
     cb.finish()
-    return fabric, model, cb
+    return fabric, model, losses
 
 
 def fabric_ddp(cell: Path) -> None:
-    fabric, model, cb = _train(cell, "ddp")
+    fabric, model, _ = _train(cell, "ddp")
     if _rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model._original_module.state_dict().items()}, cell / "final.pt")
 
@@ -99,11 +102,21 @@ def fabric_fsdp2(cell: Path) -> None:
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    strategy = ModelParallelStrategy(fsdp2, data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
-    fabric, model, cb = _train(cell, strategy)
-    full = get_model_state_dict(model._original_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # a collective
+    def full_state(model) -> dict:  # a collective
+        return get_model_state_dict(model._original_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def strategy():
+        return ModelParallelStrategy(fsdp2, data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
+
+    # unmonitored first, then watched, from the same seed: the step-0 probe must change nothing
+    _, plain_model, plain_losses = _train(cell, strategy(), watched=False)
+    plain = full_state(plain_model)
+    fabric, model, losses = _train(cell, strategy())
+    full = full_state(model)
     if _rank() == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, cell / "final.pt")
+        same = {k: torch.equal(v, full[k]) for k, v in plain.items()}
+        (cell / "identical.json").write_text(json.dumps({"losses": losses, "plain_losses": plain_losses, "weights_identical": same}))
         sharded = [type(m).__name__ for m in model._original_module.modules() if "FSDP" in type(m).__name__]
         (cell / "sharded.json").write_text(json.dumps(sharded))
 

@@ -322,8 +322,8 @@ def hf_ddp_bf16(cell: Path) -> None:
 def hf_tp_plan(cell: Path) -> None:
     """A real ``from_pretrained(tp_plan="auto")`` model. The HF Trainer itself refuses it on CPU
     (accelerate's ParallelismConfig wants GPUs), so the callback's hooks run here in the Trainer's
-    order: ``on_train_begin``, a training forward (the hook that reads the first batch), and
-    ``on_pre_optimizer_step`` (the step-0 probe)."""
+    order: ``on_train_begin``, a training forward (the hook that reads the first batch and would probe
+    step 0), ``on_pre_optimizer_step``."""
     from transformers import LlamaForCausalLM, Trainer, TrainerControl, TrainerState, TrainingArguments
 
     from sinkwatch.hf import SinkWatchTrainerCallback
@@ -528,7 +528,7 @@ def log_spaced_schedule(cell: Path) -> None:
     fully_shard(model)
     live = LiveMonitor(LiveConfig(**{**options(cell), "log_spaced": 5, "every_n_steps": None}))
     live.setup(model, is_global_zero=_rank() == 0, max_steps=10 if _rank() == 0 else 1000, world_size=dist.get_world_size())
-    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live._log_steps)))
+    (cell / f"schedule-rank{_rank()}.json").write_text(json.dumps(sorted(live.schedule.log_steps)))
     live.finish()
 
 
@@ -702,6 +702,9 @@ CELLS = {
 
 
 def main(out: str, names: list[str]) -> None:
+    from live_cells import CELLS as LIVE_CELLS
+
+    CELLS.update(LIVE_CELLS)
     torch.set_num_threads(1)
     faulthandler.enable()  # a crash in native code prints the Python stack too
     # SINKWATCH_MATRIX_BACKEND: benchmarks/gpu_check.sh runs OLMo-core's default "cpu:gloo,cuda:nccl" (a CPU-only torch cannot)

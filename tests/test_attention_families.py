@@ -22,7 +22,7 @@ import pytest
 import torch
 from families import BUILT_HERE, FAMILIES, VOCAB, build
 
-from sinkwatch import Monitor
+from sinkwatch import Monitor, StageTracker
 from sinkwatch.capture import UnsupportedModelError
 from sinkwatch.cli import main
 from sinkwatch.hf import SinkWatchTrainerCallback
@@ -344,7 +344,7 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     import wandb
 
     from sinkwatch import findings
-    from sinkwatch.live import _has_non_finite
+    from sinkwatch.monitor import has_non_finite
     from sinkwatch.records import head_class_rows, n_sink_heads, softmax_heads
     from sinkwatch.report import build_report
     from sinkwatch.reporting.console import one_line, summary
@@ -357,11 +357,14 @@ def test_a_hybrid_record_survives_every_consumer(tmp_path):
     natural = NaturalProbe(tokens=torch.randint(2, VOCAB, (1000,), generator=torch.Generator().manual_seed(1)), n=4, seq_len=40)
     monitor = Monitor([InductionProbe(n=4, seq_len=T), RepeatedRandomProbe(n=2, seq_len=32), natural])
     jsonl = JSONLReporter(tmp_path / "store")
-    snap = monitor.probe(model, step=0, tokens=0)  # the tracker consumes the record
-    assert not _has_non_finite(snap.values)  # null rows are not NaN activations
-    jsonl.log_record(snap.to_record())  # JSON without NaN: nulls
-    later = {**snap.to_record(), "step": 10, "tokens": 2560}  # a second probe of the same weights
-    monitor.tracker.update(later)
+    snap = monitor.probe(model, step=0, tokens=0)
+    assert not has_non_finite(snap.values)  # null rows are not NaN activations
+    tracker = StageTracker(monitor.config.stages)
+    first = snap.to_record()
+    tracker.update(first)  # the tracker consumes the record
+    jsonl.log_record(first)  # JSON without NaN: nulls
+    later = {**first, "step": 10, "tokens": 2560}  # a second probe of the same weights
+    tracker.update(later)
     jsonl.log_record(later)
     records = read_jsonl(tmp_path / "store" / "records.jsonl")
     assert [r["step"] for r in records] == [0, 10] and records[-1]["softmax_layers"] == [1, 3]

@@ -20,8 +20,8 @@ def _natural(bos: bool):
 
 def test_bos_windows_judge_both_anchors():
     model = planted.p0_final()  # block 0 amplifies position 0 along a fixed direction; later heads sink onto it
-    plain = Monitor([_natural(False), InductionProbe(n=8, seq_len=64)]).probe(model, track=False).to_record()
-    bos = Monitor([_natural(True), InductionProbe(n=8, seq_len=64)]).probe(model, track=False).to_record()
+    plain = Monitor([_natural(False), InductionProbe(n=8, seq_len=64)]).probe(model).to_record()
+    bos = Monitor([_natural(True), InductionProbe(n=8, seq_len=64)]).probe(model).to_record()
     assert plain["circuit_layer"] == 0 and plain["p0_stage_now"] == "final" and "p0_anchor_views" not in plain
     # the positional circuit amplifies whatever sits at position 0, the BOS too: a tie, so the BOS decides
     views = bos["p0_anchor_views"]
@@ -57,7 +57,7 @@ def test_undecidable_positional_circuit_is_warned():
     probe = make_natural_probe(tokens, n=24, seq_len=31, bos_token_id=BOS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        record = Monitor([probe]).probe(planted.p0_final(), track=False).to_record()
+        record = Monitor([probe]).probe(planted.p0_final()).to_record()
     assert record["circuit_layer_twin"] is None  # no positional verdict ...
     assert record["p0_anchor"] == "bos" and record["circuit_layer"] == 0  # ... but the BOS is amplified, so it anchors
     assert any("undecidable" in str(w.message) for w in caught)
@@ -68,7 +68,7 @@ def _planted_bos_records():
     stream = torch.randint(2, planted.VOCAB, (4000,), generator=torch.Generator().manual_seed(3))
     with_bos = make_natural_probe(stream, n=24, seq_len=32, bos_token_id=planted.BOS, source="test")
     without = make_natural_probe(stream, n=24, seq_len=32, source="test")
-    return (Monitor([p]).probe(model, track=False).to_record() for p in (with_bos, without))
+    return (Monitor([p]).probe(model).to_record() for p in (with_bos, without))
 
 
 def test_the_bos_anchor_reads_final_on_a_planted_bos_trained_profile():

@@ -20,7 +20,8 @@ pytest.importorskip("litgpt")
 
 from torchrun import run_logged, torchrun  # noqa: E402
 
-from sinkwatch.live import LiveConfig, natural_windows  # noqa: E402
+from sinkwatch.live import LiveConfig  # noqa: E402
+from sinkwatch.probes import natural_windows  # noqa: E402
 from sinkwatch.reporting.jsonl import read_jsonl  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -78,6 +79,10 @@ def test_fabric_cell_equals_a_single_process_run(launch, cell, tmp_path):
     assert {r["probe_split"]["ranks"] for r in records} == {2}
     if cell == "fabric_fsdp2":
         assert "FSDPGPT" in json.loads((d / "sharded.json").read_text())
+        # the step-0 probe (before the first forward) left training bit-identical to an unmonitored run (before: after
+        # the first backward, before optimizer.step(), with FSDP2's root left unsharded: step 2 ran on stale weights)
+        same = json.loads((d / "identical.json").read_text())
+        assert same["losses"] == same["plain_losses"] and all(same["weights_identical"].values()), same
     assert len(list((d / "sw" / "wandb").glob("offline-run-*"))) == 1  # one W&B run, rank 0's
     model = fc.tiny_gpt()
     model.load_state_dict(torch.load(d / "final.pt", weights_only=True))

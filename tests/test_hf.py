@@ -169,13 +169,17 @@ def test_resume_with_changed_probes_restored_by_transformers_starts_a_new_segmen
     assert [r["tracker_since_step"] for r in records] == [0, 0, 2]
 
 
-def test_the_deferred_step0_probe_is_invisible_to_training(tmp_path):
-    """With the default probes the step-0 probe runs in on_pre_optimizer_step of the first step (gradients
-    accumulated over two micro-batches, not yet applied): losses and weights stay bit-identical."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch_compile"])
+def test_the_deferred_step0_probe_is_invisible_to_training(tmp_path, compiled):
+    """With the default probes the step-0 probe runs in the first training forward's pre-hook (before any
+    backward; gradients then accumulate over two micro-batches): losses and weights stay bit-identical, also
+    under the Trainer's torch_compile, whose compiled call runs the model's hooks (Dynamo never traces it)."""
+
+    compile_args = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
 
     def run(sub, cbs):
         model = build("llama", seed=3)
-        a = args(tmp_path / sub, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        a = args(tmp_path / sub, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2, **compile_args)
         t = Trainer(model=model, args=a, train_dataset=CopyDataset(), callbacks=cbs)
         t.train()
         return [h["loss"] for h in t.state.log_history if "loss" in h], {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -9,7 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 from sinkwatch.hf import SinkWatchTrainerCallback
 from sinkwatch.lightning import SinkWatchCallback
-from sinkwatch.live import bos_of_batch, natural_windows
+from sinkwatch.probes import bos_of_batch, natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 PAD = 0

@@ -26,7 +26,6 @@ from sinkwatch import distributed
 def test_probe_group_device_follows_the_groups_device_types(backend, prefer, want):
     with (
         mock.patch("torch.distributed.get_backend", return_value=backend),
-        mock.patch.object(distributed, "global_rank", return_value=0),
         mock.patch("torch.cuda.is_available", return_value=False),
     ):
         group = distributed.ProbeGroup(2, prefer=prefer)
@@ -36,7 +35,6 @@ def test_probe_group_device_follows_the_groups_device_types(backend, prefer, wan
 def test_an_nccl_only_backend_string_gets_cuda_tensors():
     with (
         mock.patch("torch.distributed.get_backend", return_value="cuda:nccl"),
-        mock.patch.object(distributed, "global_rank", return_value=0),
         mock.patch("torch.cuda.is_available", return_value=False),
     ):
         assert distributed.ProbeGroup(2).device.type == "cuda"
@@ -192,10 +190,49 @@ def test_early_stopping_with_the_best_model_reloaded_probes_the_last_trained_wei
     def probe(checkpoint):
         from transformers import AutoModelForCausalLM
 
-        return Monitor(small_probes()).probe(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / checkpoint), track=False).to_record()
+        return Monitor(small_probes()).probe(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / checkpoint)).to_record()
 
     last, best = probe("checkpoint-3"), probe("checkpoint-1")
     assert records[-1]["sink_alpha"] != best["sink_alpha"]  # the training did move the weights between the two
+    for key in ("sink_alpha", "pr", "induction_score"):
+        torch.testing.assert_close(torch.tensor(records[-1][key]), torch.tensor(last[key]), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_epoch_evaluation_early_stopping_probes_the_last_trained_weights(tmp_path):
+    """Evaluation per epoch: EarlyStoppingCallback decides in on_evaluate, after on_epoch_end, and
+    load_best_model_at_end reloads the best checkpoint (epoch 1's) before on_train_end. The last trained
+    weights are probed just before that reload (before: they were never probed; the run's last record
+    was step 0's)."""
+    from tiny_models import build
+    from train_helpers import CopyDataset
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+    from sinkwatch import Monitor
+    from sinkwatch.hf import SinkWatchTrainerCallback
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    scores = iter([1.0, 0.5, 0.25, 0.1, 0.05])  # the first evaluation is the best: epoch 1's checkpoint (step 2)
+
+    def compute_metrics(_):
+        return {"score": next(scores)}
+
+    cb = SinkWatchTrainerCallback(every_n_steps=100, probes=small_probes(), **quiet(tmp_path))
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), num_train_epochs=10, per_device_train_batch_size=4, learning_rate=3e-2, use_cpu=True,
+        report_to=[], eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="score",
+        greater_is_better=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=build("llama"), args=args, train_dataset=CopyDataset(n=8), eval_dataset=CopyDataset(n=4, seed=1),
+        compute_metrics=compute_metrics, callbacks=[cb, EarlyStoppingCallback(early_stopping_patience=2)],
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 6 and trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 6], records
+    from transformers import AutoModelForCausalLM
+
+    last = Monitor(small_probes()).probe(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-6")).to_record()
     for key in ("sink_alpha", "pr", "induction_score"):
         torch.testing.assert_close(torch.tensor(records[-1][key]), torch.tensor(last[key]), rtol=1e-5, atol=1e-6, msg=key)
 
@@ -291,9 +328,9 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     from sinkwatch.reporting.base import Reporter
     from sinkwatch.reporting.jsonl import read_jsonl
 
-    def memory(target, sets, batch_tokens, step):
-        if step in (4, 5, 8):
-            raise ProbeNotReady(f"0.10 GiB free on cuda:0, the probe's largest micro-batch needs at least 0.50 GiB (step {step})")
+    def memory(target, sets, batch_tokens, **layout):
+        if run.global_step in (4, 5, 8):
+            raise ProbeNotReady(f"0.10 GiB free on cuda:0, the probe needs at least 0.50 GiB (step {run.global_step})")
 
     monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
 
@@ -308,10 +345,12 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
         every_n_steps=4, probes=small_probes(), out_dir=str(tmp_path / "sw"), wandb="offline", console=False, reporters=[Skips()]
     )
     logger = CSVLogger(str(tmp_path), name="csv")
-    trainer(tmp_path, [cb], max_steps=8, logger=logger).fit(LitLM(build("llama")), loader(batch_size=4, n=64))
+    run = trainer(tmp_path, [cb], max_steps=8, logger=logger)
+    run.fit(LitLM(build("llama")), loader(batch_size=4, n=64))
     records = read_jsonl(tmp_path / "sw" / "records.jsonl")
     assert [(r["step"], "error" in r) for r in records] == [(0, False), (4, True), (6, False), (8, True)], records
     assert "ProbeNotReady" in records[1]["error"] and "retried" in records[1]["error"]
+    assert records[2]["scheduled_step"] == 4 and "scheduled_step" not in records[0]  # the probe due at 4 ran at 6
     assert Skips.seen == [4, 8]
     with open(next((tmp_path / "csv").rglob("metrics.csv"))) as f:
         rows = [r for r in csv.DictReader(f) if r.get("sinkwatch/probe_skipped")]
@@ -321,6 +360,37 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     assert wb.final_summary.get("sinkwatch/probes_skipped") == 2
 
 
+def test_a_memory_skip_is_retried_with_a_backoff(tmp_path, monkeypatch):
+    """Memory short from step 16 to 25 with probes every 16 steps: retried at 17, 18, 20 and 24 (each retry
+    one all-reduce, nothing gathered), then the scheduled probe at 32 is written (before: a check, an
+    all-reduce and an all_gather_object at every one of steps 17 to 31)."""
+    from tiny_models import build
+
+    import sinkwatch.live
+    from sinkwatch.distributed import ProbeNotReady
+    from sinkwatch.live import LiveConfig, LiveMonitor
+    from sinkwatch.reporting.jsonl import read_jsonl
+
+    checked = []
+
+    def memory(target, sets, batch_tokens, **layout):
+        checked.append(now["step"])
+        if 16 <= now["step"] <= 25:
+            raise ProbeNotReady("0.10 GiB available on cuda:0, the probe needs about 0.50 GiB")
+
+    monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
+    live = LiveMonitor(LiveConfig(every_n_steps=16, probes=small_probes(), **quiet(tmp_path)))
+    live.setup(build("llama"), is_global_zero=True)
+    now = {}
+    for step in range(33):
+        now["step"] = step
+        live.step_end(step)
+    assert checked == [0, 16, 17, 18, 20, 24, 32]
+    records = read_jsonl(tmp_path / "sw" / "records.jsonl")
+    assert [(r["step"], "error" in r) for r in records] == [(0, False), (16, True), (32, False)], records
+    assert "scheduled_step" not in records[-1]  # 32 was due anyway
+
+
 # ---- item 10 (first part): the probe runs in the trainer's compute dtype -----------------------------
 def _step0_in_bf16(record: dict, model) -> None:
     """The step-0 record is the initial weights probed under bf16 autocast: not the float32 numbers,
@@ -328,9 +398,9 @@ def _step0_in_bf16(record: dict, model) -> None:
     from sinkwatch import Monitor
 
     assert record["probe_dtype"] == "bfloat16", record.get("probe_dtype")
-    f32 = Monitor(small_probes()).probe(model, track=False).to_record()
+    f32 = Monitor(small_probes()).probe(model).to_record()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = Monitor(small_probes()).probe(model, track=False).to_record()
+        bf16 = Monitor(small_probes()).probe(model).to_record()
     for key in ("sink_alpha", "induction_score"):
         got = torch.tensor(record[key])
         torch.testing.assert_close(got, torch.tensor(bf16[key]), rtol=1e-5, atol=1e-6, msg=key)

@@ -35,11 +35,11 @@ def test_paper_rounding_equals_eager_float16_to_the_last_bit(family):
     probe = InductionProbe(n=20, seq_len=64)
     paper = Monitor([probe], config=MonitorConfig(protocol="paper", participation_ratio=False))
     sets = paper.probe_sets(model.config.vocab_size)
-    ours = paper.probe(model, track=False).values["selectivity"]
+    ours = paper.probe(model).values["selectivity"]
     ref = eager_half_selectivity(model, sets[0])
     for c in M.SELECTIVITY_CLASSES:
         assert np.array_equal(ours[c], ref[c]), c  # bit for bit
-    default = Monitor([probe], config=MonitorConfig(participation_ratio=False)).probe(model, track=False)
+    default = Monitor([probe], config=MonitorConfig(participation_ratio=False)).probe(model)
     assert default.values["protocol"] == "sinkwatch"
     diff = max(np.abs(default.values["selectivity"][c] - ref[c]).max() for c in M.SELECTIVITY_CLASSES)
     assert diff > 0  # the float32 statistics really round otherwise: the test can tell the two apart
@@ -48,9 +48,9 @@ def test_paper_rounding_equals_eager_float16_to_the_last_bit(family):
 def test_paper_pr_uses_the_first_500_sequences_and_equals_the_n500_batch():
     model = build("llama", seed=2).eval()
     cfg = dict(batch_tokens=64 * 64)  # 64 sequences a forward: the 500th falls inside a micro-batch
-    paper = Monitor([InductionProbe(n=600, seq_len=64)], config=MonitorConfig(protocol="paper", **cfg)).probe(model, track=False)
-    n500 = Monitor([InductionProbe(n=500, seq_len=64)], config=MonitorConfig(**cfg)).probe(model, track=False)
-    full = Monitor([InductionProbe(n=600, seq_len=64)], config=MonitorConfig(**cfg)).probe(model, track=False)
+    paper = Monitor([InductionProbe(n=600, seq_len=64)], config=MonitorConfig(protocol="paper", **cfg)).probe(model)
+    n500 = Monitor([InductionProbe(n=500, seq_len=64)], config=MonitorConfig(**cfg)).probe(model)
+    full = Monitor([InductionProbe(n=600, seq_len=64)], config=MonitorConfig(**cfg)).probe(model)
     assert paper.values["pr_sequences"] == 500 and n500.values["pr_sequences"] == 500 and full.values["pr_sequences"] == 600
     np.testing.assert_allclose(paper.values["pr"], n500.values["pr"], rtol=1e-12, atol=0)
     assert not np.allclose(full.values["pr"], n500.values["pr"], rtol=1e-6)

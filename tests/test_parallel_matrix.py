@@ -29,7 +29,8 @@ import pytest
 import torch
 from torchrun import torchrun
 
-from sinkwatch.live import LiveConfig, log_spaced_steps, natural_windows
+from sinkwatch.live import LiveConfig, log_spaced_steps
+from sinkwatch.probes import natural_windows
 from sinkwatch.reporting.jsonl import read_jsonl
 
 HERE = Path(__file__).parent
@@ -45,6 +46,7 @@ LAUNCHES = {  # name: (processes, DETAIL, cells in order; a cell that must end i
                           "fault_in_model_forward"]),
     "ddp": (2, False, ["lightning_ddp", "hf_ddp", "olmo_ddp", "lightning_ddp_bf16", "hf_ddp_bf16"]),
     "four": (4, True, ["lightning_fsdp2_tp", "olmo_hsdp"]),
+    "step0": (2, True, ["hf_fsdp1_bf16_step0", "hf_shard_grad_op_step0", "hf_fsdp2_step0"]),
 }  # fmt: skip
 WHERE = {cell: name for name, (_, _, cells) in LAUNCHES.items() for cell in cells}
 SHARDED = {"lightning_fsdp2", "fsdp1_orig_params", "fsdp1_flat_params", "olmo_fsdp2", "olmo_hsdp", "faults_held"}  # every rank probes
@@ -277,7 +279,7 @@ def test_zero3_is_refused_by_the_hf_callback(tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
 def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
-    """Ranks that probe together run through distributed._GuardedTarget, whose collector wrapper holds
+    """Ranks that probe together run through distributed.GroupForwards, whose collector wrapper holds
     statistics faults: it must hand on every hook of capture's Collector (learned sinks, gates, the
     gated head output), so a sharded gpt-oss or Qwen3-Next record equals the plain probe's."""
     import families
@@ -285,12 +287,12 @@ def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
 
     from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
     from sinkwatch.capture import resolve_target
-    from sinkwatch.distributed import ProbeGroup, _GuardedTarget
+    from sinkwatch.distributed import GroupForwards, ProbeGroup
 
     model = families.build(family)
     probes = [InductionProbe(n=6, seq_len=64, vocab_range=(2, 250)), RepeatedRandomProbe(n=4, seq_len=32, vocab_range=(2, 250))]
-    plain = Monitor(probes).probe(model, track=False).to_record()
-    guarded = Monitor(probes).probe(_GuardedTarget(resolve_target(model), ProbeGroup(1), step=0, token=1), track=False).to_record()
+    plain = Monitor(probes).probe(model).to_record()
+    guarded = Monitor(probes).probe(GroupForwards(resolve_target(model), ProbeGroup(1), step=0, token=1)).to_record()
     keys = ["sink_alpha", "pr", "induction_score", "sink_learned_alpha" if family == "gpt_oss" else "attn_gate_mean"]
     for key in keys:
         assert key in plain, key
@@ -379,3 +381,25 @@ def test_ddp_bf16_mixed_probes_each_ranks_share_in_bf16(matrix, cell, tmp_path):
     assert {r["probe_split"]["ranks"] for r in records} == {2}
     want = pm.single_process_record(final_model(cell, d), first_batch(d, 0), tmp_path, compute_dtype=torch.bfloat16)
     pm.assert_records_equal(records[-1], want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cell", ["hf_fsdp1_bf16_step0", "hf_shard_grad_op_step0", "hf_fsdp2_step0"])
+def test_the_hf_step0_probe_under_fsdp_leaves_training_bit_identical(matrix, cell, tmp_path):
+    """The HF callback's step-0 probe (once the first batch is read) at FSDP v1 bf16 parameter mixed
+    precision, SHARD_GRAD_OP and FSDP2: losses and final weights equal an unmonitored run's exactly.
+    Before, the probe ran after the first backward and before optimizer.step() and left parameters
+    unsharded: step 2 trained on pre-update weights (every weight differed from the second loss on)."""
+    d = cell_dir(matrix, cell)
+    for r in results(d):
+        assert r["status"] == "ok", r.get("traceback")
+    same = json.loads((d / "identical.json").read_text())
+    assert same["losses"] == same["plain_losses"], same
+    assert all(same["weights_identical"].values()), [k for k, v in same["weights_identical"].items() if not v]
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r.get("step") for r in records] == [0, pm.EVERY, pm.STEPS], records
+    model = final_model(cell, d)
+    if "bf16" in cell:  # the units compute with bf16 weights (parameter mixed precision): one process with the weights in bf16
+        assert {r["probe_dtype"] for r in records} == {"bfloat16"}
+        model = model.to(torch.bfloat16)
+    want = pm.single_process_record(model, first_batch(d, 0), tmp_path)
+    pm.assert_records_equal(records[-1], want, **({"rtol": 1e-2, "atol": 1e-2} if "bf16" in cell else {}))

@@ -34,7 +34,10 @@ SPLIT_ONLY = {"probe_split"}  # differs by design: how many ranks shared the pro
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("split")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {
+        **os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",  # mismatched collectives fail instead of pairing silently
+    }  # fmt: skip
     env.pop("SINKWATCH_TEST_FAULT", None)
     rc, log = run_logged(torchrun(HERE / "probe_split.py", str(out), nproc=W), out, env, LAUNCH_TIMEOUT_S)
     return out, rc, log
@@ -133,3 +136,83 @@ def test_the_launch_ran_every_case(launch):
     out, rc, log = launch
     assert rc == 0, log[-6000:]
     assert {p.name for p in out.iterdir() if p.is_dir()} == set(ps.CASES)
+
+
+# ---- faults real runs produce, under FSDP2: the probe is skipped, the run goes on ---------------------
+def _fault_case(launch, name: str) -> tuple[dict, list[dict]]:
+    """The case's skipped probe (step 2) and its written records (0 and 4), each equal to one process's."""
+    d, results = case(launch, name)
+    rows = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 4], rows
+    skipped, written = rows[1], [rows[0], rows[2]]
+    assert "error" in skipped and "no rank wrote it" in skipped["error"], skipped
+    ref = launch[0] / ("fallback" if name == "fallback" else "ddp") / "single" / "records.jsonl"
+    (want, *_) = read_jsonl(ref)  # the same weights (no training here): every step's record equals step 0's
+    for got in written:
+        assert_split_equals_single(got, want, rtol=1e-5, atol=1e-6)
+    assert len({r["work"]["2"]["forwards"] for r in results}) == 1  # every rank ran the same forwards, the faulted one too
+    return skipped, written
+
+
+def test_an_out_of_memory_on_every_rank_skips_the_probe(launch):
+    """Every rank runs out of memory in the middle block, each message with its own PID and byte counts
+    (before: the fault signatures differed by those numbers, and every rank raised ProbeForwardBroken)."""
+    skipped, _ = _fault_case(launch, "oom")
+    assert skipped["error"].count("ProbeFaultEverywhere") == W, skipped["error"]
+    assert "probe forward 1, block 1" in skipped["error"] and "CUDA out of memory" in skipped["error"]
+
+
+def test_shape_errors_that_differ_by_rank_skip_the_probe(launch):
+    """A real shape error in the middle block on every rank, its numbers each rank's share of the rows
+    (before: different messages, ProbeForwardBroken on every rank)."""
+    skipped, _ = _fault_case(launch, "shapes")
+    for r, rows in enumerate((3, 3, 1)):
+        assert f"rank {r}: RuntimeError: shape '[{rows}, 33, -1]' is invalid" in skipped["error"], skipped["error"]
+
+
+def test_one_ranks_value_error_in_a_sharded_forward_skips_the_probe(launch):
+    """A ValueError in rank 1's middle block only: held to the end of the forward, so rank 1 joins every
+    all-gather of it, and the next agreement skips the probe everywhere (before: it bypassed the verdict,
+    and rank 1's FAIL all-reduce met the other ranks' all-gathers)."""
+    skipped, _ = _fault_case(launch, "value")
+    assert "rank 1: ValueError: rank 1's rows cannot run here" in skipped["error"], skipped["error"]
+    assert "rank 0:" not in skipped["error"] and "rank 2:" not in skipped["error"]
+
+
+def test_extra_forwards_of_an_unreproducible_head_are_agreed_under_the_split(launch):
+    """The repeated probe's losses from extra one-sequence forwards (the head cannot be reproduced): each
+    rank's share has another row count, yet every rank runs as many extra forwards (before: unpaired
+    FSDP collectives). Every probe is written and equals one process's."""
+    d, results = case(launch, "fallback")
+    rows = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 4] and not any("error" in r for r in rows), rows
+    single = {r["step"]: r for r in read_jsonl(d / "single" / "records.jsonl")}
+    for rec in rows:
+        assert_split_equals_single(rec, single[rec["step"]], rtol=1e-5, atol=1e-6)
+    assert len({r["work"]["0"]["forwards"] for r in results}) == 1
+    _, plain = case(launch, "ddp")
+    assert results[0]["work"]["0"]["forwards"] > plain[0]["work"]["0"]["forwards"]  # the extra forwards ran
+
+
+def test_the_paper_protocols_first_n_pr_under_the_split(launch):
+    """``protocol="paper"``: PR over the first N induction sequences, all in rank 0's share; the other
+    ranks contribute zeros to the one all-reduce (before: they had no PR data and every probe failed)."""
+    d, _ = case(launch, "paper")
+    (got,) = read_jsonl(d / "sw" / "records.jsonl")
+    (want,) = read_jsonl(d / "single" / "records.jsonl")
+    assert got["pr_sequences"] == want["pr_sequences"] == ps.PAPER_PR
+    assert_split_equals_single(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_parameter_mixed_precision_records_say_bf16(launch):
+    """FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)`` (OLMo-core's standard configuration): the probe
+    computes in bf16 and the record says so (before: ``probe_dtype: float32``, so a replay of the store probed
+    in another dtype); its numbers are the float32 ones within bf16 rounding."""
+    d, _ = case(launch, "fsdp2_mp")
+    (got,) = read_jsonl(d / "sw" / "records.jsonl")
+    (want,) = read_jsonl(launch[0] / "ddp" / "single" / "records.jsonl")
+    assert got["probe_dtype"] == "bfloat16" and want["probe_dtype"] == "float32"
+    for key in ("sink_alpha", "p0_norm_ratio", "induction_score"):
+        import numpy as np
+
+        np.testing.assert_allclose(np.array(got[key], dtype=float), np.array(want[key], dtype=float), rtol=5e-2, atol=2e-2, err_msg=key)

@@ -81,7 +81,7 @@ def test_records_equal_live_probes_of_the_same_weights(cache, trajectory_run, tm
 
     rows = run(cache, tmp_path, revisions=["step600"])
     model = AutoModelForCausalLM.from_pretrained(trajectory_run[1]["step600"])
-    live = Monitor(PROBES).probe(model, track=False).to_record()
+    live = Monitor(PROBES).probe(model).to_record()
     for key in ("sink_rate", "icl_score", "n_induction_ge50"):
         assert rows[0][key] == pytest.approx(live[key]), key
 

@@ -85,14 +85,14 @@ def test_planted_induction_circuit_is_formed_and_ablation_removes_copying():
 def test_planted_transition_fires_once_through_the_tracker():
     """none -> final, then final again: one event, at the second probe that holds it."""
     monitor = Monitor([InductionProbe(n=16, seq_len=128)])
+    tracker = StageTracker(monitor.config.stages)
     events = []
     for model in (planted.p0_none(), planted.p0_final(), planted.p0_final(), planted.p0_final()):
-        snap = monitor.probe(model)
-        events += snap.events
+        events += tracker.update(monitor.probe(model).to_record())
     p0 = [e for e in events if e.timeline == "p0"]
     assert [(e.previous, e.stage) for e in p0] == [("none", "final")]
-    assert monitor.tracker.p0_stage == "final"
-    visited = monitor.tracker.visited["p0"]
+    assert tracker.p0_stage == "final"
+    visited = tracker.visited["p0"]
     assert [(v["stage"], v["probes"]) for v in visited] == [("none", 1), ("final", 3)]
 
 

@@ -89,8 +89,8 @@ def test_an_unknown_post_processing_falls_back_to_extra_forwards_with_the_same_n
     # the extra forwards were muted: the collector saw the one measured forward, not five more
     assert all(len(per_layer) == 1 for per_layer in collector.parts[0].ratio)
     probe = RepeatedRandomProbe(n=6, seq_len=32)
-    a = Monitor([probe]).probe(halved, track=False).to_record()
-    b = Monitor([probe]).probe(plain, track=False).to_record()
+    a = Monitor([probe]).probe(halved).to_record()
+    b = Monitor([probe]).probe(plain).to_record()
     assert a["induction_score"] == b["induction_score"]  # attention statistics untouched by the fallback
     assert a["icl_score"] != b["icl_score"]  # the halved logits' own losses, not the plain model's
 

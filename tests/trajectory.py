@@ -41,7 +41,7 @@ def train_with_probes(
     records = []
     for step in range(steps + 1):
         if step % every == 0:
-            records.append(monitor.probe(model, step=step, tokens=step * TOKENS_PER_STEP, track=False).to_record())
+            records.append(monitor.probe(model, step=step, tokens=step * TOKENS_PER_STEP).to_record())
         if save_dir is not None and step in save_steps:
             model.save_pretrained(f"{save_dir}/step{step}")
         if step == steps:

@@ -30,6 +30,8 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -48,6 +50,22 @@ class ProbeForward(NamedTuple):
 
     logits: torch.Tensor
     token_losses: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class GroupForward:
+    """How a captured forward runs among ranks that probe together, whose forwards are collectives
+    (FSDP's all-gathers): set by ``sinkwatch.distributed`` around each of their forwards. ``hold`` keeps
+    a fault of the head-loss tap until the forward has ended (the forward, and every collective in it,
+    then runs to the end, as for a fault in the statistics); ``extra_forwards(n)`` turns this rank's
+    count of extra all-logits forwards into the count every rank runs (the largest), so the extra
+    forwards' collectives pair whatever each rank's row count."""
+
+    hold: Callable[[BaseException], None]
+    extra_forwards: Callable[[int], int]
+
+
+GROUP_FORWARD: ContextVar[GroupForward | None] = ContextVar("sinkwatch_group_forward", default=None)
 
 
 def loss_chunk_rows(vocab_size: int) -> int:
@@ -153,6 +171,7 @@ class HeadTap:
         self._reset(None)
 
     def _reset(self, ids) -> None:
+        self.faulted = False  # the losses raised inside the head's forward and the fault is held (``GroupForward``)
         self._ids = ids
         self._hidden = None
         self._losses = None
@@ -175,7 +194,14 @@ class HeadTap:
             return None
         weight, bias = module.weight, module.bias  # gathered here under FSDP (this runs inside the head's forward)
         vocab = weight.shape[0]
-        self._losses = chunked_token_losses(h, self._ids, lambda rows: self.post(F.linear(rows, weight, bias)), vocab)
+        try:
+            self._losses = chunked_token_losses(h, self._ids, lambda rows: self.post(F.linear(rows, weight, bias)), vocab)
+        except Exception as exc:
+            group = GROUP_FORWARD.get()
+            if group is None:
+                raise
+            group.hold(exc)  # an out-of-memory in a loss chunk: raised once the forward has ended
+            self.faulted = True
         return None
 
     def _after_head(self, _module, _args, output):
@@ -241,17 +267,32 @@ def warn_nonfinite(model_name: str) -> None:
     )
 
 
-def extra_forward_losses(session, run_all_logits: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, vocab_size: int, name: str):
+def extra_forward_losses(
+    session,
+    run_all_logits: Callable[[torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    vocab_size: int,
+    name: str,
+    *,
+    own: bool = True,
+    forwards: int | None = None,
+) -> torch.Tensor | None:
     """Losses (B, S-1) from the model's own all-position logits, ``fallback_rows`` sequences per
-    forward, with the capture muted (these forwards are not measured again)."""
+    forward, with the capture muted (these forwards are not measured again). ``forwards``: how many
+    extra forwards to run in all (every rank of a group the same): after this rank's own (none when
+    not ``own``: None is returned), one-sequence forwards whose results count for nothing."""
     rows = fallback_rows(ids.shape[1], vocab_size)
-    warn_unreproducible(name, rows)
+    starts = range(0, ids.shape[0], rows) if own else range(0)
+    if own:
+        warn_unreproducible(name, rows)
     parts = []
     with session.muted():
-        for b0 in range(0, ids.shape[0], rows):
+        for b0 in starts:
             sub = ids[b0 : b0 + rows]
             parts.append(losses_from_logits(run_all_logits(sub), sub))
-    return torch.cat(parts)
+        for _ in range(len(starts), forwards if forwards is not None else len(starts)):
+            run_all_logits(ids[:1])
+    return torch.cat(parts) if parts else None
 
 
 def captured_forward(
@@ -278,10 +319,17 @@ def captured_forward(
         if token_losses and logits.shape[1] == input_ids.shape[1]:  # every position's logits came back anyway
             losses = losses_from_logits(logits, input_ids)
     session.end()
-    if token_losses and losses is None:  # the head could not be reproduced: a few rows per extra forward
-        if tap is not None:
+    if token_losses:
+        # the head could not be reproduced: a few rows per extra forward (not for a held fault of the tap's)
+        own = losses is None and not (tap is not None and tap.faulted)
+        if own and tap is not None:
             tap.reproducible = False
-        losses = extra_forward_losses(session, lambda ids: run(ids, True), input_ids, vocab_size, name)
-    if token_losses and not (torch.isfinite(logits[:, -1]).all() and torch.isfinite(losses).all()):
+        need = -(-input_ids.shape[0] // fallback_rows(input_ids.shape[1], vocab_size)) if own else 0
+        group = GROUP_FORWARD.get()
+        forwards = group.extra_forwards(need) if group is not None else need
+        if forwards:
+            extra = extra_forward_losses(session, lambda ids: run(ids, True), input_ids, vocab_size, name, own=own, forwards=forwards)
+            losses = extra if own else losses
+    if token_losses and losses is not None and not (torch.isfinite(logits[:, -1]).all() and torch.isfinite(losses).all()):
         warn_nonfinite(name)
     return ProbeForward(logits, losses)

@@ -129,7 +129,7 @@ def run_ablation(
             default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if paper and dtype in ("float16", "bfloat16"):
                 model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
-            record = monitor.probe(model, track=False, revision=revision, model_name=recipe.model).to_record()
+            record = monitor.probe(model, revision=revision, model_name=recipe.model).to_record()
             screen = {"screen": "probed for the ablation", "screen_induction": record["selectivity"]["induction"]}
         induction = np.asarray(record["selectivity"]["induction"], dtype=float)  # (L, H)
         if paper:

@@ -318,7 +318,7 @@ class Measurer:
             snap = oom_retry(
                 [self.monitor],
                 lambda: self.monitor.probe(
-                    model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=recipe.model, track=False
+                    model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=recipe.model
                 ),
                 used,
             )
@@ -332,7 +332,7 @@ class Measurer:
                     model = None
                     release_memory()
                     model = self._load(rev, path, "float16", placement)
-                values = oom_retry([self.pr_monitor], lambda: self.pr_monitor.probe(model, track=False).values, used)
+                values = oom_retry([self.pr_monitor], lambda: self.pr_monitor.probe(model).values, used)
                 record.update({"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"})
         except Terminated:
             # the process is leaving (a time limit): its failed row comes first, before SIGKILL follows

@@ -1,18 +1,8 @@
 """Weights & Biases reporter: scalars on a step axis and a tokens axis, heatmaps, the head-class
 table, and alerts on stage transitions. The only module of sinkwatch that imports wandb.
 
-Logged keys (all under ``sinkwatch/``; see docs/live.md for their meaning):
-
-    step, tokens                                   the axes (define_metric)
-    sink_rate, sink_center, sink_positions, circuit_layer, bos_fraction_raw, bos_fraction_bestclass,
-    n_induction_ge30, n_induction_ge50, n_sink_heads, induction_score_max, icl_score,
-    induction_target_top1, p0_stage, induction_state (stage indices), probe_seconds,
-    rho_max, p0_emergence_block, p0_persistence, p0_concentration
-    sink_profile/k{k}, sink_rate_per_layer/L{l}, p0_norm_ratio/L{l}, p0_direction_consistency/L{l},
-    p0_direction_consistency_centered/L{l}, p0_attn_norm_ratio/L{l}, p0_mlp_norm_ratio/L{l}
-    by_tokens/<headline>                           the headline scalars again, on the tokens axis
-    heatmap/sink_alpha, heatmap/induction_selectivity, heatmap/induction_score   (images)
-    head_classes                                   (table), events (alerts: run.alert)
+The logged keys, all under ``sinkwatch/``, are ``scalars``' (with ``HEADLINE`` again on the tokens
+axis), the heatmaps and the head-class table; docs/live.md ("What gets logged") says what each means.
 """
 
 from __future__ import annotations
