@@ -260,7 +260,9 @@ class P0Part(Part):
         h = hidden.float()
         norms = torch.linalg.vector_norm(h, dim=-1)  # (B, S)
         self.ratio[layer].append(metrics.norm_ratio_per_sequence(norms).cpu().numpy())
-        self.vectors[layer].append(h[:, 0].cpu().numpy())
+        # a copy of the first rows only: on CPU ``.cpu().numpy()`` of the view h[:, 0] would share, and
+        # so keep alive until the probe ends, the whole (B, S, d) hidden state of every layer
+        self.vectors[layer].append(h[:, 0].to("cpu", copy=True).numpy())
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """ratio (N, L), vectors (N, L, d)."""
