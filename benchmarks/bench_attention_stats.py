@@ -1,4 +1,7 @@
-"""attention_stats kernel vs the PyTorch path vs eager softmax-with-weights vs an SDPA (flash) forward.
+"""attention_stats kernel vs the PyTorch path vs eager softmax-with-weights vs an SDPA (flash) forward,
+and what a probe's attention costs on GPU either way: the model's own flash attention beside the
+statistics kernel (the default) or the fused Triton kernel giving the output and the lse, the
+statistics read off it (``SINKWATCH_ATTENTION_OUTPUT=fused``): ``fused_over_default_time``.
 
 Same q/k/v, causal, bfloat16, B=1, heads x head_dim = 2048 (so D=64 has 32 heads, D=256 has 8),
 S from 512 to 8192. Reports time (median of CUDA-event timings) and peak memory above the inputs,
@@ -27,6 +30,7 @@ from common import write_csv  # noqa: E402
 from kernel_cases import assert_close_to_reference, make_inputs  # noqa: E402
 
 from sinkwatch import attention_stats  # noqa: E402
+from sinkwatch.kernels import attention_output  # noqa: E402
 
 
 def check_backends(device: str, backends: list[str]) -> None:
@@ -35,7 +39,11 @@ def check_backends(device: str, backends: list[str]) -> None:
     cols = torch.tensor([[[0, 1, 198], [0, 5, -1], [0, 149, 151]]], device=device)
     ref = attention_stats(q.cpu(), k.cpu(), 0.125, rows=rows.cpu(), cols=cols.cpu(), backend="reference")
     for b in backends:
-        assert_close_to_reference(attention_stats(q, k, 0.125, rows=rows, cols=cols, backend=b), ref, G=3)
+        assert_close_to_reference(attention_stats(q, k, 0.125, rows=rows, cols=cols, backend=b), ref)
+    if "triton" in backends:  # the fused kernel, and statistics read off its lse
+        fused = attention_output(q, k, make_inputs(1, 2, 2, 200, 64, dtype=q.dtype, seed=3, device=device)[0], 0.125, backend="triton")
+        assert fused.backend == "triton", "the fused Triton kernel fell back to the PyTorch path (see the warning above)"
+        assert_close_to_reference(attention_stats(q, k, 0.125, rows=rows, cols=cols, fused=fused, backend="triton"), ref)
     print(f"correctness check passed for {', '.join(backends)} on {device}", file=sys.stderr)
 
 
@@ -92,6 +100,9 @@ def methods(q, k, v, scale, device):
         ),
         "eager_weights": eager,
         "sdpa_flash": sdpa_flash,
+        # a probe's attention on GPU: the default, and the fused kernel (entropy unused, as SinkPart asks)
+        "default_sdpa_plus_stats": lambda: (sdpa_flash(), attention_stats(q, k, scale, backend="triton", entropy=False)),
+        "fused_triton": lambda: attention_stats(q, k, scale, fused=attention_output(q, k, v, scale, backend="triton"), entropy=False),
     }
     if device != "cuda":
         out = {"torch_path": out["torch_path"]}
@@ -133,17 +144,18 @@ def main() -> None:
                 row["triton_over_sdpa_time"] = res["triton"][0] / res["sdpa_flash"][0]
                 row["torch_over_triton_time"] = res["torch_path"][0] / res["triton"][0]
                 row["eager_over_triton_mem"] = res["eager_weights"][1] / max(res["triton"][1], 1e-9)
+                row["fused_over_default_time"] = res["fused_triton"][0] / res["default_sdpa_plus_stats"][0]
             rows.append(row)
             print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     if cuda:
-        print("\n  D     S |  triton ms  sdpa ms  eager ms  torch ms | eager/triton  triton/sdpa | triton MiB  eager MiB")
+        print("\n  D     S |  triton ms  sdpa ms  eager ms  torch ms | eager/triton  triton/sdpa | triton MiB  eager MiB | fused/default")
         for r in rows:
             print(
                 f"{r['D']:>3} {r['S']:>5} | {r['triton_ms']:9.3f} {r['sdpa_flash_ms']:8.3f} "
                 f"{r['eager_weights_ms']:9.3f} {r['torch_path_ms']:9.3f} | "
                 f"{r['eager_over_triton_time']:12.1f} {r['triton_over_sdpa_time']:12.2f} | "
-                f"{r['triton_mib']:10.1f} {r['eager_weights_mib']:10.1f}"
+                f"{r['triton_mib']:10.1f} {r['eager_weights_mib']:10.1f} | {r['fused_over_default_time']:13.2f}"
             )
     print(f"CSV: {write_csv(rows, args.csv)}")
 

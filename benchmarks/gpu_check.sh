@@ -44,7 +44,16 @@ stage gpu_tests.txt 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/te
 stage gpu_tests.txt 60 python3 -m pytest -q -p no:cacheprovider \
   "tests/test_record_vs_eager.py::test_the_triton_kernel_inside_a_real_probe_matches_eager" tests/test_kernel_fallback.py
 
-# 2. the benchmark (Triton vs the PyTorch path vs eager vs SDPA flash), only if the kernel is right
+# 1b. the fused output kernel (triton_fused.py; the CUDA default keeps the model's own attention until this
+#     kernel is measured faster): its small cases compiled (the realistic bf16 shapes ran in stage 1, -m gpu),
+#     then a whole probe whose attention output it computes (SINKWATCH_ATTENTION_OUTPUT=fused) against eager;
+#     a kernel that falls back, or an output that disagrees with the model's own, warns "sinkwatch: ...": an error here
+stage gpu_fused.txt 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k fused -m "not gpu"
+stage gpu_fused.txt 60 env SINKWATCH_ATTENTION_OUTPUT=fused python3 -m pytest -q -p no:cacheprovider -W "error:sinkwatch:RuntimeWarning" \
+  "tests/test_record_vs_eager.py::test_the_triton_kernel_inside_a_real_probe_matches_eager"
+
+# 2. the benchmark (Triton vs the PyTorch path vs eager vs SDPA flash; a probe's attention with the model's
+#    flash attention beside the statistics kernel vs the fused kernel: fused_over_default_time), only if the kernels are right
 if [ "$status" -eq 0 ]; then
   stage bench_attention_stats.txt 180 python3 benchmarks/bench_attention_stats.py --repeat 10 --csv "$OUT/bench_attention_stats.csv"
 else

@@ -281,8 +281,10 @@ class P0Part(Part):
     def on_block_output(self, batch, layer, hidden):
         h = hidden.float()  # (B, S, d)
         self.ratio[layer].append(_norm_ratio(h))
-        self.vectors[layer].append(h[:, 0].cpu().numpy())
-        self.others[layer].append(h[:, 1:].mean(dim=1).cpu().numpy())
+        # copies of the first rows only: on CPU ``.cpu().numpy()`` of the view h[:, 0] would share, and
+        # so keep alive until the probe ends, the whole (B, S, d) hidden state of every layer
+        self.vectors[layer].append(h[:, 0].to("cpu", copy=True).numpy())
+        self.others[layer].append(h[:, 1:].mean(dim=1).cpu().numpy())  # a new (B, d) tensor: no view kept
 
     def on_block_input(self, batch, layer, hidden):
         if layer == 0:

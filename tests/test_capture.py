@@ -34,6 +34,20 @@ def test_outputs_unchanged_under_capture(family, previous, monkeypatch):
     assert len(collector.parts[0].chunks[L - 1]) == 1  # every layer was seen
 
 
+def test_p0_part_keeps_a_copy_of_the_first_rows_only():
+    """What P0Part keeps of a block's output is its own copy of h[:, 0]: a view would keep the whole
+    (B, S, d) hidden state of every layer alive until the probe ends (a CPU probe's memory then grew
+    by one hidden state per layer)."""
+    part = P0Part(1)
+    hidden = torch.randn(2, 64, 16)
+    first = hidden[:, 0].clone()
+    part.on_block_output(slice(0, 2), 0, hidden)
+    kept = part.vectors[0][0]
+    assert kept.nbytes == first.numel() * 4
+    hidden.zero_()  # a view would change with it
+    assert torch.equal(torch.from_numpy(kept), first)
+
+
 def test_probe_leaves_the_model_as_found():
     """Parameters, gradients, train/eval modes, requires_grad, attention implementation and RNG are as before the probe."""
     model = build("llama", seed=3)

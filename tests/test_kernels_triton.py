@@ -34,6 +34,7 @@ from kernel_cases import (  # noqa: E402
 
 from sinkwatch import attention_stats  # noqa: E402
 from sinkwatch.kernels import attention_output  # noqa: E402
+from sinkwatch.kernels.api import output_tolerance  # noqa: E402
 from sinkwatch.kernels.triton_aot import compiler_env  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -294,3 +295,28 @@ def test_fused_kernel_matches_reference_and_torch(S, D, Dv, groups, variant, dty
     got = attention_stats(q, k, D**-0.5, rows=rows, cols=cols, n_first=3, fused=tri, backend="triton", **kw)
     want = attention_stats(q.cpu(), k.cpu(), D**-0.5, rows=rows.cpu(), cols=cols.cpu(), n_first=3, backend="reference", **_on_cpu(kw))
     assert_close_to_reference(got, want)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("S, D, Hq, Hkv", REALISTIC[1:4], ids=REALISTIC_IDS[1:4])
+def test_gpu_fused_kernel_at_realistic_shapes(S, D, Hq, Hkv):
+    """The fused kernel compiled, bf16, realistic shapes: its output within the bf16 tolerance of
+    flash attention's (what the model's own attention gives), every row's lse within the PyTorch
+    path's, and statistics read off that lse within the float64 reference's on chosen rows."""
+    import torch.nn.functional as F
+
+    q, k, rows, cols = _realistic(S, D, Hq, Hkv)
+    v = make_inputs(2, Hkv, Hkv, S, D, dtype=torch.bfloat16, layout="bshd", seed=2, device="cuda")[0]
+    tri = attention_output(q, k, v, D**-0.5, backend="triton")
+    assert tri.backend == "triton"
+    kr, vr = (x.repeat_interleave(Hq // Hkv, dim=1) for x in (k, v))
+    own = F.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=D**-0.5)  # (B, Hq, S, D)
+    err = float((tri.output.double() - own.double()).abs().max())
+    # the tolerance a probe holds sinkwatch's output to against the model's own on its first call
+    assert err <= output_tolerance(torch.bfloat16) * float(v.abs().max()), f"fused output off flash attention's by {err:.3g}"
+    tor = attention_stats(q, k, D**-0.5, backend="torch")
+    torch.testing.assert_close(tri.lse, tor.lse, atol=TRITON_VS_TORCH_ATOL_LONG, rtol=TRITON_VS_TORCH_RTOL)
+    got = attention_stats(q, k, D**-0.5, rows=rows, cols=cols, fused=tri, backend="triton")
+    ref = attention_stats(q.cpu(), k.cpu(), D**-0.5, rows=rows.cpu(), cols=cols.cpu(), backend="reference")
+    assert_close_to_reference(got, ref)
