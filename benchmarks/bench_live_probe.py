@@ -1,9 +1,9 @@
-"""Live probe cost per data-parallel rank, and in bf16 vs float32 (issue 25, SPEC §9), side by side in one run.
+"""Live probe cost per data-parallel rank, and in bf16 vs float32 (docs/design.md §9), side by side in one run.
 
 Part 1: W = 1, 2 and 4 gloo processes (torchrun), a 4-block Llama (d = 128), in two layouts: FSDP2
 per block (every probe forward a collective) and DDP's (the bare module on every rank). Each rank
 reports its probe wall time (median of ``--repeat`` probes), and its share of the work: probe
-forwards, tokens through the model, CPU seconds. The goal (SPEC §9) is per-rank work ≈ 1/W of the
+forwards, tokens through the model, CPU seconds. The goal (docs/design.md §9) is per-rank work ≈ 1/W of the
 single process's: each rank runs its share of the sequences (``sinkwatch.probe_share``); the
 ratio printed says where the code stands. Wall time is reported for W = 1 and 2 only: W = 4
 processes on a small CPU share its cores, so only their work is comparable.

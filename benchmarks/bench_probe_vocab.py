@@ -11,7 +11,7 @@ the live pre-probe check (sinkwatch/probe_memory.py) would ask for on a GPU.
 
     python benchmarks/bench_probe_vocab.py [--csv benchmarks/results/probe_vocab.csv]
 
-Bar (issue 24): chunked peak at V = 262,144 <= chunked peak at V = 32,000 + 256 MiB.
+Bar: chunked peak at V = 262,144 <= chunked peak at V = 32,000 + 256 MiB.
 """
 
 from __future__ import annotations

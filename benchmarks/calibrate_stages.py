@@ -1,7 +1,7 @@
 """The P0 stage thresholds measured on real, random and planted models (docs/stages.md's table).
 
 For each model and text: the natural probe's per-block norm ratio rho_l and direction consistency
-c_l (SPEC §5), the sink rate, the sink heads' floor in blocks 0-1, the circuit layer and anchor
+c_l (docs/design.md §5), the sink rate, the sink heads' floor in blocks 0-1, the circuit layer and anchor
 under the default ``StageConfig``, and the P0 stage of that probe alone.
 
     python benchmarks/calibrate_stages.py --smollm2 DIR [--gemma3 DIR] [--n 32] [--seq-len 64] [--csv out.csv]

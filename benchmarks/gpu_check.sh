@@ -60,15 +60,15 @@ else
   echo "GPU tests failed: benchmark skipped" | tee -a "$OUT/gpu_tests.txt"
 fi
 
-# 2b. a real model's shape (issue 24): SmolLM2-135M-shaped, random init, bf16; Triton vs the PyTorch path vs eager
+# 2b. a real model's shape: SmolLM2-135M-shaped, random init, bf16; Triton vs the PyTorch path vs eager
 stage gpu_real_shape.txt 60 python3 benchmarks/gpu_real_shape.py --out "$OUT/gpu_real_shape.json"
 
-# 3. Triton faults on CUDA (issue 18 item 9): an out-of-memory keeps the kernel, a fault at the first
+# 3. Triton faults on CUDA: an out-of-memory keeps the kernel, a fault at the first
 #    launch's sync falls back once, and a real asynchronous fault (an out-of-bounds read in a launch
 #    that does not autotune) is attributed to the kernel at that sync, in a child process
 stage gpu_kernel_faults.txt 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_faults.py
 
-# 4. replay's big-model paths (issue 19): loaded onto the GPU, float32 freed before the float16 PR pass,
+# 4. replay's big-model paths: loaded onto the GPU, float32 freed before the float16 PR pass,
 #    the device cache emptied between revisions, a real out-of-memory retried at half batch_tokens, a model
 #    split over GPUs (2+ GPUs). Replay needs tenacity, filelock and accelerate (pure Python): where the
 #    image lacks them, carry a folder of them and put it on PYTHONPATH; else this stage says so and skips.
@@ -92,7 +92,7 @@ else
   echo "FSDP v1 Lightning runs skipped: no GPU" | tee "$OUT/gpu_fsdp1.txt"
 fi
 
-# 5b. issue 25 (at most 90 s): Lightning's FSDPStrategy with bf16-mixed (FSDP parameter mixed precision: before, every run
+# 5b. (at most 90 s): Lightning's FSDPStrategy with bf16-mixed (FSDP parameter mixed precision: before, every run
 #     stopped at the step-0 probe), and OLMo-core's default two-backend group "cpu:gloo,cuda:nccl" (a CPU-only torch
 #     cannot initialise it): the matrix's olmo_fsdp2 cell over it, and the device sinkwatch's agreements pick from it
 if python3 -c 'import lightning' 2>/dev/null && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 1 ]; then
@@ -121,7 +121,7 @@ else
   echo "OLMo-core two-backend group skipped: no olmo_core or no GPU" | tee -a "$OUT/gpu_live25.txt"
 fi
 
-# 5c. issue 27 (at most 90 s): a real torchtitan 0.3.0 Trainer (llama3 debug model, 4 steps, torchtitan's defaults:
+# 5c. (at most 90 s): a real torchtitan 0.3.0 Trainer (llama3 debug model, 4 steps, torchtitan's defaults:
 #     FSDP2 + bf16 parameter mixed precision, CUDA graphs, compiled FlexAttention) built from the documented
 #     `--module sinkwatch.torchtitan` command line; records at 0, 2, 4. Only where python >= 3.11, torch has the
 #     FSDP API torchtitan 0.3.0 imports (>= 2.12) and torchtitan 0.3.0 is importable (carried as wheels: the image lacks it)

@@ -1,4 +1,4 @@
-"""GPU check on a real model's shape (issue 24): a random-init SmolLM2-135M-shaped Llama (30 blocks,
+"""GPU check on a real model's shape: a random-init SmolLM2-135M-shaped Llama (30 blocks,
 d = 576, GQA 9/3, V = 49,152) in bfloat16 — no weights travel to the device — probed with the Triton
 kernel and with the chunked PyTorch path, beside a forward with eager attention and weights
 (what other tools do). Prints times side by side, the probes' agreement, and peak device memory.

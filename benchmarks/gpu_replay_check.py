@@ -1,4 +1,4 @@
-"""Replay's big-model paths on a real GPU (issue 19, item 5), against the stand-in hub on 127.0.0.1.
+"""Replay's big-model paths on a real GPU, against the stand-in hub on 127.0.0.1.
 
 Run by benchmarks/gpu_check.sh on a lent GPU machine; each check prints PASS/FAIL and the script
 exits non-zero on any FAIL. What the CPU test suite can only decide, this runs for real:

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh's torchtitan stage (issue 27): a real torchtitan 0.3.0 ``Trainer`` on one GPU,
+"""benchmarks/gpu_check.sh's torchtitan stage: a real torchtitan 0.3.0 ``Trainer`` on one GPU,
 built the way ``python -m torchtitan.train`` builds it, from the command line sinkwatch documents
 (``--module sinkwatch.torchtitan --config llama3_debugmodel`` and ``--sinkwatch.*`` options, parsed by
 torchtitan's own ConfigManager), then ``config.build()``, ``trainer.train()``, ``trainer.close()``, with

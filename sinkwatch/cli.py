@@ -81,7 +81,7 @@ def cmd_probe(args) -> int:
     monitor = Monitor(probe_recipes(args, source), config=MonitorConfig(batch_tokens=args.batch_tokens))
     snap = monitor.probe(model, revision=args.revision, model_name=args.model)
     record = snap.to_record()
-    # one probe, no history: the tracker's state is the stage rules applied to this probe alone (SPEC §10)
+    # one probe, no history: the tracker's state is the stage rules applied to this probe alone (docs/design.md §10)
     record.setdefault("p0_stage", record["p0_stage_now"])
     record.setdefault("induction_state", record["induction_state_now"])
     print(summary(record))

@@ -1,4 +1,4 @@
-"""Lightning Fabric adapter: ``SinkWatchFabricCallback`` (SPEC §7), for hand-written Fabric loops
+"""Lightning Fabric adapter: ``SinkWatchFabricCallback`` (docs/design.md §7), for hand-written Fabric loops
 such as LitGPT's ``litgpt pretrain`` (which needs no code change: see ``sinkwatch.fabric_factory``).
 
     fabric = lightning.Fabric(..., callbacks=[SinkWatchFabricCallback(every_n_steps=100)])

@@ -419,7 +419,7 @@ def head_comparison(record: dict, model_key: str, per_head: dict | None = None) 
 def published_findings_json(reference: dict | None = None) -> dict:
     """``{"<model id>": {induction_formed_b, induction_rule, sink_ge50pct_b, sink_ge10pct_b,
     ablation_top1: {baseline, circuit, matched_random}}}`` from the packaged published data alone,
-    every number computed by the paper's own rules from its tables (issue 13, Deliver 4)."""
+    every number computed by the paper's own rules from its tables."""
     ref = reference or load_reference()
     out = {}
     b = lambda x: None if x is None else round(x / 1e9, 6)  # noqa: E731

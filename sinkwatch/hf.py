@@ -1,4 +1,4 @@
-"""transformers Trainer adapter: ``SinkWatchTrainerCallback`` (SPEC §7).
+"""transformers Trainer adapter: ``SinkWatchTrainerCallback`` (docs/design.md §7).
 
     from sinkwatch.hf import SinkWatchTrainerCallback
     trainer = transformers.Trainer(..., callbacks=[SinkWatchTrainerCallback()])

@@ -1,4 +1,4 @@
-"""Lightning adapter: ``SinkWatchCallback`` (SPEC §7). Imports lightning; nothing else in sinkwatch does.
+"""Lightning adapter: ``SinkWatchCallback`` (docs/design.md §7). Imports lightning; nothing else in sinkwatch does.
 
     from sinkwatch.lightning import SinkWatchCallback
     trainer = lightning.Trainer(callbacks=[SinkWatchCallback()])

@@ -1,4 +1,4 @@
-"""The framework-free core of live monitoring (SPEC §7), shared by every adapter.
+"""The framework-free core of live monitoring (docs/design.md §7), shared by every adapter.
 
 ``LiveMonitor`` decides when to probe (``Schedule``: every N optimizer steps and/or log-spaced steps,
 once per step whatever the micro-batching, a probe skipped for lack of memory retried with a backoff),

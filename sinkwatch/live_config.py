@@ -36,7 +36,7 @@ class LiveConfig:
     console: bool = True
     raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
     preflight: bool = True  # before the first probe, one sequence of each set: a deterministic error there disables sinkwatch
-    # data parallelism: every rank probes its share of the sequences, one all-reduce combines them (SPEC §9);
+    # data parallelism: every rank probes its share of the sequences, one all-reduce combines them (docs/design.md §9);
     # False: DDP's rank 0 probes alone, sharded ranks each run the whole probe
     split_probe: bool = True
     fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict

@@ -1,4 +1,4 @@
-"""Metrics of SPEC §5 as pure functions over attention statistics.
+"""Metrics of docs/design.md §5 as pure functions over attention statistics.
 
 Notation: A[l, h, i, j] is the attention probability of query i on key j in head h of layer l.
 "Selectivity" is a ratio of means. Every threshold below is inclusive unless it says strict.

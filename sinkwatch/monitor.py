@@ -1,4 +1,4 @@
-"""Monitor: probe sets x capture x metrics -> Snapshot (SPEC §1).
+"""Monitor: probe sets x capture x metrics -> Snapshot (docs/design.md §1).
 
 The same ``Monitor.probe(model)`` serves the callbacks, replay and the one-shot CLI, so a number
 computed live at step N equals the one replay computes on the checkpoint saved at step N.
@@ -48,7 +48,7 @@ class MonitorConfig:
     backend: str = "auto"  # attention_stats backend
     stages: StageConfig = field(default_factory=StageConfig)
     # "sinkwatch": float32 attention statistics, PR over every probe sequence. "paper": Xu 2026's
-    # released protocol (SPEC §5, §8): PR on the first 500 sequences, float16 models' attention
+    # released protocol (docs/design.md §5, §8): PR on the first 500 sequences, float16 models' attention
     # rounded as eager float16 attention rounds it, ablation controls min(picks, eligible).
     protocol: str = "sinkwatch"
 
@@ -68,7 +68,7 @@ class MonitorConfig:
 
 
 class Monitor:
-    """Runs fixed probe sets through a model and computes every metric of SPEC §5.
+    """Runs fixed probe sets through a model and computes every metric of docs/design.md §5.
 
     probes: recipes (``InductionProbe()``, ``RepeatedRandomProbe()``, ``NaturalProbe(...)``) built
     for the model's vocabulary on first use, or ready ``ProbeSet``s. At most one of each kind.
@@ -146,7 +146,7 @@ class Monitor:
                     f"use a shorter probe (--seq-len <= {target.context})"
                 )
         t0 = time.perf_counter()
-        # Sink keys come from the natural probe when there is one (SPEC §10): natural text is what the
+        # Sink keys come from the natural probe when there is one (docs/design.md §10): natural text is what the
         # model trains on, so its sinks are the ones training forms; the synthetic induction probe
         # has no BOS and random tokens, and stands in only when no natural text is configured.
         sink_source = "natural" if any(s.kind == "natural" for s in sets) else "induction"
@@ -171,15 +171,15 @@ class Monitor:
         for out in outs[: len(sets)]:  # the twin's values go only where ``_p0_anchor`` puts them
             values.update(out)
         if natural is not None:
-            values["bos_token_id"] = natural.params.get("bos_token_id")  # the BOS every window starts with, or None (SPEC §3)
+            values["bos_token_id"] = natural.params.get("bos_token_id")  # the BOS every window starts with, or None (docs/design.md §3)
             fed = outs[sets.index(natural)]
             values.update(self._p0_anchor(natural, fed, outs[-1] if twin is not None else None))
         if share is not None:
             values["probe_split"] = {"ranks": share.size, "sequences": {s.kind: s.n for s in sets}}
         values["probe_seconds"] = time.perf_counter() - t0
-        values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (SPEC §8)
+        values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (docs/design.md §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
-        values["versions"] = versions()  # sinkwatch / torch / transformers (SPEC §10: every record)
+        values["versions"] = versions()  # sinkwatch / torch / transformers (docs/design.md §10: every record)
         values["device"] = device_of(target.module)  # where the weights sat: cpu, cuda:0 (NVIDIA H200), ...
         snap = Snapshot(
             model=model_name or target.name,
@@ -292,7 +292,7 @@ class Monitor:
         seed: int = 123,
         control: Iterable[str | tuple[int, int]] | None = None,
     ) -> dict:
-        """Group ablation on the induction probe (SPEC §5).
+        """Group ablation on the induction probe (docs/design.md §5).
 
         Zeroes the given heads' slices before the output projection and scores the target B at the
         query row (valid sequences): loss, top-1, top-5 for ``baseline``, ``ablated`` and a matched
@@ -424,7 +424,7 @@ class _SinkRun(_ProbeRun):
 
 
 class _InductionRun(_ProbeRun):
-    """Selectivity at the query row, head classes, PR, and the target's loss / top-k (SPEC §5)."""
+    """Selectivity at the query row, head classes, PR, and the target's loss / top-k (docs/design.md §5)."""
 
     SUMS = ("gram", "total", "count")  # PR's sufficient statistics: per-head Gram matrices M^T M, column sums, rows
 
@@ -477,7 +477,7 @@ class _RepeatedRun(_ProbeRun):
     """Prefix-matching induction score and the ICL score (second-copy minus first-copy loss)."""
 
     # the copy losses need every position's loss: taken from the final hidden states through the
-    # output head in row chunks (capture/head.py), never from all-position logits (SPEC §9)
+    # output head in row chunks (capture/head.py), never from all-position logits (docs/design.md §9)
     token_losses = True
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
@@ -514,7 +514,7 @@ PROBE_RUNS: dict[str, type[_ProbeRun]] = {"induction": _InductionRun, "repeated"
 
 
 def _bos_free_twin(natural: ProbeSet) -> ProbeSet | None:
-    """The natural windows without their first token (SPEC §3) when every window starts with the
+    """The natural windows without their first token (docs/design.md §3) when every window starts with the
     same one (a BOS: ``Monitor._p0_anchor`` then judges the positional circuit on the twin), else None."""
     first = natural.tokens[:, 0]
     if natural.n < 2 or not bool((first == first[0]).all()):

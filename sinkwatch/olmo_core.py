@@ -1,4 +1,4 @@
-"""OLMo-core adapter: ``SinkWatchCallback`` (SPEC §7). Imports olmo_core; nothing else in sinkwatch does.
+"""OLMo-core adapter: ``SinkWatchCallback`` (docs/design.md §7). Imports olmo_core; nothing else in sinkwatch does.
 
     from sinkwatch.olmo_core import SinkWatchCallback
     trainer = TrainerConfig(..., callbacks={"sinkwatch": SinkWatchCallback(every_n_steps=250)}).build(train_module, data_loader)

@@ -3,7 +3,7 @@
 A probe forward runs under ``torch.no_grad()``, so its memory is the activations of the blocks that
 are alive at once, the final hidden states the loss chunks read (``capture/head.py``), one loss
 chunk, and the last position's logits — never all-position logits, never an S x S matrix
-(SPEC §9) — plus what the layout gathers for it. Per token that is a few rows of the model's widest
+(docs/design.md §9) — plus what the layout gathers for it. Per token that is a few rows of the model's widest
 activations, in the dtype the probe computes in (bf16 under bf16 autocast or FSDP parameter mixed
 precision: half of float32)::
 

@@ -1,4 +1,4 @@
-"""Each data-parallel rank's share of a probe's sequences, and how the shares combine (SPEC §9).
+"""Each data-parallel rank's share of a probe's sequences, and how the shares combine (docs/design.md §9).
 
 Under data parallelism every rank holds the whole model (DDP, DeepSpeed ZeRO-1/2) or gathers it
 in each forward (FSDP, FSDP2): a probe replicated on every rank, or run by rank 0 while the others

@@ -1,4 +1,4 @@
-"""Probe sets (SPEC §3): fixed token batches with per-row metadata, hashed and stored with a run.
+"""Probe sets (docs/design.md §3): fixed token batches with per-row metadata, hashed and stored with a run.
 
 Three kinds:
 
@@ -365,7 +365,7 @@ def batch_windows(
     ids: torch.Tensor, attention_mask: torch.Tensor | None, *, n: int, seq_len: int, context: int | None, config
 ) -> torch.Tensor:
     """The (m, T) natural windows of a first training batch (m may be 0), ``T = min(seq_len, the batch's
-    length, context)``, padding and BOS read from the batch and the model's ``config`` (SPEC §3): a run
+    length, context)``, padding and BOS read from the batch and the model's ``config`` (docs/design.md §3): a run
     whose rows all start with the model's BOS gets windows that all start with it too."""
     T = min(seq_len, ids.shape[1], context or ids.shape[1])
     pad_id = getattr(config, "pad_token_id", None) if attention_mask is None else None
@@ -402,7 +402,7 @@ def probe_of_windows(windows: torch.Tensor, *, bos_token_id: int | None, request
 def tokenizer_bos(tokenizer) -> int | None:
     """The BOS id ``tokenizer`` puts first when it encodes text with its special tokens (Gemma,
     Llama 3, OLMo-2 ...), else None (GPT-2, Pythia, SmolLM2 add none): the convention the model was
-    trained with, which natural windows follow (SPEC §3)."""
+    trained with, which natural windows follow (docs/design.md §3)."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return None

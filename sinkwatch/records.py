@@ -1,4 +1,4 @@
-"""Helpers shared by everything that reads or writes records (SPEC §10): one place per idea.
+"""Helpers shared by everything that reads or writes records (docs/design.md §10): one place per idea.
 
 ``jsonable`` (what a record value becomes in JSON), ``best_induction_score`` (the headline of the
 prefix-matching heatmap), the head-class table (``HEAD_CLASS_COLUMNS``, ``head_class_rows``)
@@ -80,9 +80,9 @@ def n_sink_heads(record: Mapping[str, Any]) -> int | None:
     return None if per_layer is None else int(sum(n for n in per_layer if n is not None))
 
 
-# ---- where a record was made (SPEC §10: every record, live, probe and replay) ----------------------------------
+# ---- where a record was made (docs/design.md §10: every record, live, probe and replay) ----------------------------------
 def versions() -> dict[str, str]:
-    """The versions a record was made with (SPEC §10)."""
+    """The versions a record was made with (docs/design.md §10)."""
     import huggingface_hub
     import torch
     import transformers

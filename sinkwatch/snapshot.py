@@ -1,4 +1,4 @@
-"""Snapshot: one probe of one model at one point in training, and its stable record (SPEC §10)."""
+"""Snapshot: one probe of one model at one point in training, and its stable record (docs/design.md §10)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from .records import jsonable
 
-# Keys of SPEC §10 in the order records are written. Values that the configured probes cannot
+# Keys of docs/design.md §10 in the order records are written. Values that the configured probes cannot
 # produce are absent from a record, never zero. Hybrid stacks: every attention-derived [L] / [L][H]
 # array keeps all L blocks, with null entries (a row of H nulls) for blocks without softmax
 # attention; ``softmax_layers`` lists the others. Models with learned sinks add
@@ -57,7 +57,7 @@ class Snapshot:
         return "+".join(self.probe_hashes)
 
     def to_record(self) -> dict:
-        """The JSON record of SPEC §10 (keys in spec order, then extras), ready for ``json.dumps``."""
+        """The JSON record of docs/design.md §10 (keys in spec order, then extras), ready for ``json.dumps``."""
         base = {
             "model": self.model,
             "revision": self.revision,

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0 adapter: ``SinkWatchTrainer``, a ``torchtitan.trainer.Trainer`` subclass (SPEC §7).
+"""torchtitan 0.3.0 adapter: ``SinkWatchTrainer``, a ``torchtitan.trainer.Trainer`` subclass (docs/design.md §7).
 
 torchtitan has no callback API; its own extensions (flux, torchft, the graph trainer) subclass
 ``Trainer``. This one overrides three methods and leaves training as it is:

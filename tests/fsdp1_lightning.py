@@ -63,7 +63,7 @@ def check(out: str, bf16: bool = False) -> None:
     """The records, written once by rank 0, equal the same core run in one process on rank 0's first
     batch and the final weights (on the same GPU: the same statistics backend). ``bf16``: the run used
     ``bf16-mixed`` (FSDP parameter mixed precision): records say bfloat16 and equal one process under
-    bf16 autocast within bf16 tolerance (issue 25: before, every such run stopped at the step-0 probe)."""
+    bf16 autocast within bf16 tolerance (before, every such run stopped at the step-0 probe)."""
     from sinkwatch.reporting.jsonl import read_jsonl
 
     cell = Path(out)

@@ -2,7 +2,7 @@
 
 Shares nothing with sinkwatch: it materialises the attention matrices with the model's own eager
 implementation, reads residual streams and output-projection inputs through its own hooks, and
-re-derives every definition of SPEC §5 with plain numpy loops. The tests compare the two.
+re-derives every definition of docs/design.md §5 with plain numpy loops. The tests compare the two.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def eager_run(model, family: str, tokens: torch.Tensor) -> dict:
     }
 
 
-# ---- SPEC §5, re-derived -----------------------------------------------------------------------------
+# ---- docs/design.md §5, re-derived -----------------------------------------------------------------------------
 def sink_metrics(attn: np.ndarray, K: int = 8, eps: float = 0.3) -> dict:
     N, L, H, S, _ = attn.shape
     alpha = np.zeros((N, L, H, K))

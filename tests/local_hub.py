@@ -1,4 +1,4 @@
-"""A stand-in Hugging Face hub on 127.0.0.1, for the replay tests (SPEC §8).
+"""A stand-in Hugging Face hub on 127.0.0.1, for the replay tests (docs/design.md §8).
 
 The real ``huggingface_hub`` client (and ``transformers.from_pretrained`` through it) talks to this
 server exactly as to huggingface.co: the refs listing, model info with file metadata, the tree and

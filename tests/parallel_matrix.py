@@ -514,7 +514,7 @@ def identical_faults(cell: Path) -> None:
     (sub / f"disabled-rank{_rank()}.txt").write_text(str(live.disabled))
 
 
-# ---- issue 25: settings real runs use -------------------------------------------------------------
+# ---- settings real runs use -------------------------------------------------------------
 def log_spaced_schedule(cell: Path) -> None:
     """Ranks whose trainers estimate different run lengths (unequal data: Lightning's
     ``estimated_stepping_batches`` per rank) must still probe the same log-spaced steps: rank 0's."""

@@ -95,7 +95,7 @@ class Planted:
     def amplify_token(self, block: int, token: int, gain: float = 5.5) -> Planted:
         """Block ``block``'s MLP writes gain * LN2 / 2 * s wherever the token is ``token`` (a BOS),
         whatever its position: the BOS anchor. gain 5.5: rho ~ 26 after the block (a BOS-trained
-        270M model reads 24-29, issue 24)."""
+        270M model reads 24-29)."""
         mlp = self.m.transformer.h[block].mlp
         with torch.no_grad():
             mlp.c_fc.weight[:, 1] = self.basis.T[token]  # LN(x) . T[token] = LN2 where the token is there, 0 elsewhere
@@ -188,7 +188,7 @@ BOS = 1  # the planted BOS token
 
 
 def p0_final_bos() -> GPT2LMHeadModel:
-    """The BOS anchor (issue 24's BOS-trained 270M profile): block 0 amplifies the BOS token wherever
+    """The BOS anchor (the profile of a BOS-trained 270M model, Gemma 3 270M): block 0 amplifies the BOS token wherever
     it is (rho ~ 26 after block 0); two of block 0's heads and every later head (but one in the last
     block) sink onto it, 12 of 15 heads (0.8; block 0: 0.67). Without the BOS nothing is amplified
     (rho ~ 1) and nothing sinks."""

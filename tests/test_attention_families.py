@@ -1,4 +1,4 @@
-"""Learned sinks, soft-capping, gated attention and hybrid stacks, probed by `sinkwatch probe` (SPEC §2).
+"""Learned sinks, soft-capping, gated attention and hybrid stacks, probed by `sinkwatch probe` (docs/design.md §2).
 
 For each family of tests/families.py built there (gpt-oss, Gemma 2, Qwen3-Next, Jamba, Bamba,
 Zamba2, Falcon-H1), a tiny random model with its feature made to matter is saved with

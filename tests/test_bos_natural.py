@@ -72,7 +72,7 @@ def _planted_bos_records():
 
 
 def test_the_bos_anchor_reads_final_on_a_planted_bos_trained_profile():
-    """Issue 24's BOS-trained 270M profile, planted: sink rate ~0.77 (block 0 ~0.6), the BOS's norm
+    """A BOS-trained 270M model's profile (Gemma 3 270M), planted: sink rate ~0.77 (block 0 ~0.6), the BOS's norm
     ~24-29x after block 0, the BOS-free twin ~1x and sink-free. The stage is final, the anchor the BOS."""
     bos, plain = _planted_bos_records()
     assert bos["sink_rate"] == pytest.approx(0.8) and bos["sink_rate_per_layer"][0] == pytest.approx(2 / 3)

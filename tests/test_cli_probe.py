@@ -50,12 +50,12 @@ def test_probe_writes_the_record_and_prints_a_summary(model_dir, tmp_path, capsy
     assert "attention sinks" in printed and "induction heads" in printed and "prefix matching" in printed
     record = json.loads(out.read_text())
     missing = [k for k in RECORD_KEYS if k not in record]
-    assert not missing, missing  # p0_stage / induction_state too (SPEC §10: the rules applied to this probe alone)
+    assert not missing, missing  # p0_stage / induction_state too (docs/design.md §10: the rules applied to this probe alone)
     assert (record["p0_stage"], record["induction_state"]) == (record["p0_stage_now"], record["induction_state_now"])
     assert record["probe"] == "natural+induction+repeated"
     assert record["n_layers"] == 2 and record["n_heads"] == 4
     assert record["p0_stage_now"] in ("none", "early", "transitional", "final")
-    # where it ran (SPEC §10: every record, not only replay's): the versions, the device, the kernel
+    # where it ran (docs/design.md §10: every record, not only replay's): the versions, the device, the kernel
     assert {"sinkwatch", "torch", "transformers"} <= set(record["versions"]) and record["device"] == "cpu"
     assert record["stats_backend"] == "torch"
 

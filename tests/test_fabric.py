@@ -1,4 +1,4 @@
-"""Lightning Fabric and LitGPT (issue 27), on the real parts: ``litgpt.pretrain.setup`` unmodified (its
+"""Lightning Fabric and LitGPT, on the real parts: ``litgpt.pretrain.setup`` unmodified (its
 dataloaders and ``save_hyperparameters`` stood in for as LitGPT's own tests do), monitored through the
 ``lightning.fabric.callbacks_factory`` entry point pyproject.toml declares and ``SINKWATCH_FABRIC``; its
 records every N steps equal ``sinkwatch replay`` of its own ``step-NNNNNNNN/`` checkpoints; a resumed

@@ -1,4 +1,4 @@
-"""Lightning Fabric under DDP and FSDP2 (``ModelParallelStrategy``) on 2 gloo processes (issue 27), as the
+"""Lightning Fabric under DDP and FSDP2 (``ModelParallelStrategy``) on 2 gloo processes, as the
 parallel matrix checks the other adapters: one launch of tests/fabric_cells.py under a timeout (each
 cell under a watchdog), the callback at its defaults, first batches that differ by rank. Each cell's
 records are written once (rank 0), count both ranks' tokens, hold whole heads, and the last equals a

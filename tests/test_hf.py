@@ -1,4 +1,4 @@
-"""SinkWatchTrainerCallback in real transformers.Trainer.train runs on CPU (SPEC §7)."""
+"""SinkWatchTrainerCallback in real transformers.Trainer.train runs on CPU (docs/design.md §7)."""
 
 import json
 

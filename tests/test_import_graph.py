@@ -1,4 +1,4 @@
-"""sinkwatch's own import graph has no cycle (issue 12), counting imports inside functions too."""
+"""sinkwatch's own import graph has no cycle, counting imports inside functions too."""
 
 from __future__ import annotations
 

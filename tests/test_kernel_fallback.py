@@ -1,4 +1,4 @@
-"""When the Triton kernel cannot launch, probes fall back to the torch path once (issue 11, item 6).
+"""When the Triton kernel cannot launch, probes fall back to the torch path once.
 
 The failure is real, not simulated: a child process imports the kernel without the interpreter
 (TRITON_INTERPRET=0) and hands it CPU tensors, which Triton's own launcher refuses (no GPU driver

@@ -1,4 +1,4 @@
-"""Which Triton faults give up the kernel (issue 18 item 9).
+"""Which Triton faults give up the kernel.
 
 Faults are injected at named points of the real call path, on CPU through the Triton interpreter
 (on a GPU, the same tests run on CUDA tensors):

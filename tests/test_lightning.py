@@ -1,4 +1,4 @@
-"""SinkWatchCallback in real lightning.Trainer.fit runs on CPU (SPEC §7)."""
+"""SinkWatchCallback in real lightning.Trainer.fit runs on CPU (docs/design.md §7)."""
 
 import sys
 import warnings

@@ -1,5 +1,5 @@
 """Lightning: the last probe rides in the last checkpoint, and log-spaced probes under max_epochs
-(issue 18 items 7 and 8), in real ``Trainer.fit`` runs with ``ModelCheckpoint(save_last=True)``.
+, in real ``Trainer.fit`` runs with ``ModelCheckpoint(save_last=True)``.
 
 Lightning runs checkpoint callbacks last in every hook, and ``ModelCheckpoint`` saves in
 ``on_train_batch_end`` (``every_n_train_steps``), ``on_train_epoch_end`` or ``on_validation_end``,

@@ -1,4 +1,4 @@
-"""LitGPT capture (issue 27): every record key of a tiny LitGPT ``GPT`` equals an independent float64
+"""LitGPT capture: every record key of a tiny LitGPT ``GPT`` equals an independent float64
 computation from explicit attention weights (tests/litgpt_helpers.eager_run + tests/independent.py),
 with GQA, MQA, soft-capping, a sliding-window layer and a scores scalar; the model is left as found."""
 

@@ -1,4 +1,4 @@
-"""The natural probe and the token count on the data real runs feed (issue 11, items 2 and 8):
+"""The natural probe and the token count on the data real runs feed:
 padded batches, long rows, streaming (IterableDataset) datasets, through the real trainers."""
 
 import pytest
@@ -57,7 +57,7 @@ def test_natural_windows_spread_over_rows_and_skip_padding():
 
 def test_a_bos_trained_runs_windows_all_start_with_its_bos():
     """Rows that start with the model's BOS (a BOS-trained run): every window, mid-row ones too, is the
-    BOS and then its row's text after the row's own BOS (issue 24: B = 8, natural_n = 32 cut three
+    BOS and then its row's text after the row's own BOS (formerly: B = 8, natural_n = 32 cut three
     windows in four mid-row, without the BOS)."""
     BOS = 1
     rows = torch.arange(2, 2 + 8 * 255).view(8, 255)

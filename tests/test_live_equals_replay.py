@@ -1,5 +1,5 @@
-"""SPEC §1, proved on the real paths: the live record at step N equals the record ``sinkwatch replay``
-computes on the checkpoint saved at step N (issues 11, 20). Each framework trains with the callback at
+"""docs/design.md §1, proved on the real paths: the live record at step N equals the record ``sinkwatch replay``
+computes on the checkpoint saved at step N. Each framework trains with the callback at
 its DEFAULTS (induction, repeated-random and natural probes, the natural windows frozen from the first
 training batch; only the probe interval is set), saves checkpoints its own way, and the replay CLI
 reads the folder of checkpoints as a run (``sinkwatch replay DIR``):

@@ -1,4 +1,4 @@
-"""The live core's decisions that both adapters share: options, W&B mode rules, which rank probes (SPEC §7)."""
+"""The live core's decisions that both adapters share: options, W&B mode rules, which rank probes (docs/design.md §7)."""
 
 from __future__ import annotations
 

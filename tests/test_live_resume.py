@@ -1,4 +1,4 @@
-"""Resuming with changed stage thresholds or probes never stops the run (issue 11, item 3): one
+"""Resuming with changed stage thresholds or probes never stops the run: one
 warning, every earlier record kept, a new tracker segment from the resumed step, and every record
 marked with the configuration that made it (``config_hash``)."""
 

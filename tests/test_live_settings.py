@@ -1,4 +1,4 @@
-"""Live monitoring under the settings real runs use (issue 25): backend strings, compile, schedules,
+"""Live monitoring under the settings real runs use: backend strings, compile, schedules,
 short first batches, skipped probes, early stopping, DeepSpeed's step in backward, mixed precision."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def quiet(tmp_path, **kw) -> dict:
 
 def test_a_probe_adds_no_dynamo_graph_under_per_block_compile(tmp_path):
     """OLMo-core's apply_compile compiles each block in place; a probe forward through those blocks
-    (with sinkwatch's hooks on them) must run eagerly, not trace new graphs (issue 25: 2 -> 49)."""
+    (with sinkwatch's hooks on them) must run eagerly, not trace new graphs (formerly 2 -> 49)."""
     import torch._dynamo
     from tiny_models import build
     from torch._dynamo.testing import CompileCounter

@@ -1,4 +1,4 @@
-"""One store per run (issue 18 item 6): a fresh start moves an earlier run's store aside, a resume
+"""One store per run: a fresh start moves an earlier run's store aside, a resume
 keeps appending, and ``sinkwatch report`` draws each run and each ``config_hash`` as its own series.
 
 Through the real trainers, each at its own moment of loading callback state: Lightning restores it

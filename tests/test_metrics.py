@@ -1,4 +1,4 @@
-"""Each metric of SPEC §5 on hand-built inputs whose answer is known."""
+"""Each metric of docs/design.md §5 on hand-built inputs whose answer is known."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""OLMo-core attention sinks and gated attention, probed at the attention backend (SPEC §2).
+"""OLMo-core attention sinks and gated attention, probed at the attention backend (docs/design.md §2).
 
 OLMo-core's torch backend gets the learnable sink logits as ``sinks=`` (one more softmax column), and
 its gated attention multiplies the backend's output by ``sigmoid(w_g(x))`` *after* the backend that

@@ -1,4 +1,4 @@
-"""The paper's exact protocol (issue 13), checked without weights: control-set draws against the
+"""The paper's exact protocol, checked without weights: control-set draws against the
 published ablation sweeps, the paper's conventions on constructed edge cases, PR on the first 500."""
 
 import json
@@ -48,7 +48,7 @@ def test_the_paper_control_draw_reproduces_every_published_control_set(model):
 def test_the_three_induction_circuit_controls_of_the_paper():
     """Pythia's >= 50x control is the fourth draw of the shared stream; OLMo's and OLMoE's >= 50x
     sets equal their >= 30x sets, drawn again (fourth) — the published 0.012 / 0.0535 rows are the
-    >= 30x (third) draws with the same heads, as SPEC §5 lists."""
+    >= 30x (third) draws with the same heads, as docs/design.md §5 lists."""
     expected = {
         MODELS[0]: (50.0, [(4, 0), (7, 6), (7, 7)]),
         MODELS[1]: (30.0, [(2, 2), (4, 0), (12, 4)]),

@@ -1,4 +1,4 @@
-"""The probe split over data-parallel ranks (SPEC §9, issue 25 item 10): each rank runs its share of
+"""The probe split over data-parallel ranks (docs/design.md §9): each rank runs its share of
 every probe set's sequences, the same number of forwards everywhere, one all-reduce combines the
 shares, and the record equals one process's.
 

@@ -1,4 +1,4 @@
-"""Probe sets (SPEC §3): the paper's induction batch reproduced exactly, hashing, storage."""
+"""Probe sets (docs/design.md §3): the paper's induction batch reproduced exactly, hashing, storage."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from sinkwatch.probes import baseline_positions, read_text_tokens, resolve_vocab
 
 
 def spec_induction_batch(n, T, lo, hi, seed=42):
-    """SPEC §3, transcribed independently: returns tokens and ab."""
+    """docs/design.md §3, transcribed independently: returns tokens and ab."""
     rng = np.random.RandomState(seed)
     toks, abs_ = [], []
     for _ in range(n):

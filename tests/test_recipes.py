@@ -1,5 +1,5 @@
 """Every pretraining recipe (recipes/*.py) runs for a few steps, using only what the README's main
-command installs (``pip install -e ".[all]"``): issue 11, item 13.
+command installs (``pip install -e ".[all]"``).
 
 The recipe runs in a child process for two steps. What each recipe needs beyond the core (its
 trainer's hard requirements: transformers' Trainer refuses to start without accelerate) must be in

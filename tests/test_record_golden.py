@@ -1,4 +1,4 @@
-"""A full record, key for key, equals the golden record (issue 12; issue 18 item 11).
+"""A full record, key for key, equals the golden record.
 
 The model is read from saved weights, ``tests/data/golden_llama/`` (a tiny Llama with GQA, 140 KB of
 safetensors: the fixed-seed model of ``tiny_models`` trained 60 steps on the copy task, once, by

@@ -1,4 +1,4 @@
-"""Every metric in the record equals an independent computation from eager attention (SPEC §5, §10).
+"""Every metric in the record equals an independent computation from eager attention (docs/design.md §5, §10).
 
 For each supported family, on a tiny random model and on one trained a few hundred steps on a
 copy task, sinkwatch's record is compared with tests/independent.py, which materialises

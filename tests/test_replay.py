@@ -1,4 +1,4 @@
-"""Replay through a real local Hugging Face cache of a tiny model trained by the tests (SPEC §8)."""
+"""Replay through a real local Hugging Face cache of a tiny model trained by the tests (docs/design.md §8)."""
 
 import os
 import subprocess
@@ -64,7 +64,7 @@ def test_replay_writes_one_record_per_revision_and_a_rerun_does_nothing(cache, t
     assert [r["revision"] for r in rows] == ["step0", "step100", "step300", "step600", "step900", "step1300"]
     assert all(r["status"] == "ok" for r in rows)
     records = store_rows(tmp_path)
-    assert len(records) == 6 and len(record_files(tmp_path)) == 6  # one file per record (issue 26)
+    assert len(records) == 6 and len(record_files(tmp_path)) == 6  # one file per record
     assert [r["tokens"] for r in records] == [revision_step(r["revision"]) * TOKENS_PER_STEP for r in records]
     assert records[-1]["induction_state"] == "formed" and records[0]["induction_state"] == "absent"
     assert len({r["probe_hash"] for r in records}) == 1
@@ -208,7 +208,7 @@ def test_recipes_and_revision_names():
         load_recipe("gpt-7")
 
 
-# ---- protocol, resume keys and the head-by-head comparison (issues 11.1, 11.12, 13) ----------------------------
+# ---- protocol, resume keys and the head-by-head comparison ----------------------------
 def test_a_rerun_with_another_protocol_or_probe_set_is_refused_naming_the_difference(cache, tmp_path):
     """11.1: a quick n = 8 replay followed by another measurement into the same store used to skip
     every revision and report the n = 8 numbers as the new ones."""
@@ -324,7 +324,7 @@ def test_report_of_a_replay_without_tokens_labels_steps_and_says_what_does_not_a
     _plt().close(fig)
 
 
-# ---- the paper's group ablation, run by replay (issue 13, SPEC §5) -------------------------------------------
+# ---- the paper's group ablation, run by replay (docs/design.md §5) -------------------------------------------
 def _names(pairs):
     return [f"L{l}H{h}" for l, h in pairs]
 

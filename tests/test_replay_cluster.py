@@ -1,4 +1,4 @@
-"""Replay of a full trajectory on a cluster (SPEC §8, issue 19): against a stand-in hub on 127.0.0.1
+"""Replay of a full trajectory on a cluster (docs/design.md §8): against a stand-in hub on 127.0.0.1
 serving revisions of a tiny model the test builds, through the real huggingface_hub client.
 
 Bounded disk and prefetch, retries of 503s, workers of every launcher sharing one store (real
@@ -104,7 +104,7 @@ def commits(hub) -> dict[str, str]:
 
 # ---- bounded disk, prefetch, one download per revision ------------------------------------------------------------------
 def test_a_worker_holds_at_most_two_downloaded_revisions_and_ends_with_none(online, tmp_path, monkeypatch):
-    """Issue 19: replay kept every downloaded revision (4 of 4) and left the device idle while the next downloaded.
+    """Formerly: replay kept every downloaded revision (4 of 4) and left the device idle while the next downloaded.
     Each task downloads into a folder of its own in the store, emptied once its record is written; the user's
     cache (--cache-dir) is read first and never written."""
     import threading
@@ -152,7 +152,7 @@ def test_a_worker_holds_at_most_two_downloaded_revisions_and_ends_with_none(onli
 
 
 def test_503s_on_a_weights_file_are_retried_and_a_revision_that_keeps_failing_is_recorded_failed(online, tmp_path):
-    """Issue 19: a 503 on a weights file failed the revision at once, with no retry."""
+    """Formerly: a 503 on a weights file failed the revision at once, with no retry."""
     c = commits(online)
     online.fail(f"{c['step100']}/model.safetensors", times=2, status=503, method="GET")
     online.fail(f"{c['step200']}/model.safetensors", times=10_000, status=503, method="GET")
@@ -198,7 +198,7 @@ def as_test(argv: list[str], tmp: Path) -> list[str]:
 
 
 def test_three_srun_workers_started_at_once_record_each_revision_once(online, tmp_path):
-    """Issue 19: `srun -n K` ran K full copies (Slurm's variables were not read), and three processes on one
+    """Formerly: `srun -n K` ran K full copies (Slurm's variables were not read), and three processes on one
     store measured every revision three times. The docs' srun command, run as srun runs it: each worker takes
     its stride of the tasks, then what is missing; each revision is recorded once."""
     argv = docs_command("srun ")
@@ -231,7 +231,7 @@ def two_rounds(hub, tmp_path_factory):
 
 
 def test_stages_are_derived_from_the_whole_store_in_step_order(two_rounds):
-    """Issue 19: stored stages were derived from the worker's own shard only. Each record's stages are derived
+    """Formerly: stored stages were derived from the worker's own shard only. Each record's stages are derived
     over every record in the store when it was written (any worker's), in step order; the report's over the
     whole store, in step order, with the same StageConfig."""
     d, cfg, _, first, second = two_rounds
@@ -249,7 +249,7 @@ def test_stages_are_derived_from_the_whole_store_in_step_order(two_rounds):
 
 
 def test_the_ablation_runs_once_on_the_record_of_its_revision(two_rounds):
-    """Issue 19: the ablation ran on a worker that probed step300 itself though another measured it."""
+    """Formerly: the ablation ran on a worker that probed step300 itself though another measured it."""
     d, _, _, _, _ = two_rounds
     a = read_ablation(d / "store")
     assert a["status"] == "ok" and a["revision"] == "step300" and a["screen"] == "record"
@@ -257,7 +257,7 @@ def test_the_ablation_runs_once_on_the_record_of_its_revision(two_rounds):
 
 
 def test_a_two_round_run_resumed_with_three_workers_then_one_measures_nothing_again(two_rounds, hub, monkeypatch):
-    """Issue 19: after shards 0/2 and 1/2 a single-process rerun measured all 4 revisions again (done was per shard file).
+    """Formerly: after shards 0/2 and 1/2 a single-process rerun measured all 4 revisions again (done was per shard file).
     Three srun workers, then one process: nothing to measure, no download, no hub request."""
     d, _, kw, _, _ = two_rounds
     before = (d / "store" / "ablation.json").read_text()
@@ -274,7 +274,7 @@ def test_a_two_round_run_resumed_with_three_workers_then_one_measures_nothing_ag
 
 
 def test_local_rank_without_world_size_skips_nothing(online, tmp_path, monkeypatch):
-    """Issue 19: LOCAL_RANK without WORLD_SIZE silently skipped the first revisions."""
+    """Formerly: LOCAL_RANK without WORLD_SIZE silently skipped the first revisions."""
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -379,7 +379,7 @@ def _wandb_run(path: Path) -> tuple[str, str]:
 
 # ---- the plan, placement, memory --------------------------------------------------------------------------------------------
 def test_plan_prints_the_sizes_the_hub_serves_and_fetches_no_weights(online, tmp_path, capsys):
-    """Issue 19: replay said nothing before it started (no revisions, sizes, disk, memory or time)."""
+    """Formerly: replay said nothing before it started (no revisions, sizes, disk, memory or time)."""
     c = commits(online)
     cmd = ["replay", REPO, "--out", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache"), *PROBE_ARGS]
     assert main([*cmd, "--plan", "--workers", "3"]) == 0
@@ -401,7 +401,7 @@ def test_plan_prints_the_sizes_the_hub_serves_and_fetches_no_weights(online, tmp
 
 
 def test_a_revision_that_cannot_fit_the_device_is_refused_before_it_downloads(online, tmp_path, capsys):
-    """Issue 19: a model too big for the device was downloaded in full, failed out of memory, and the next did the same."""
+    """Formerly: a model too big for the device was downloaded in full, failed out of memory, and the next did the same."""
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         rows = run(tmp_path / "store", tmp_path / "cache", revisions=NAMES[:2], max_memory="64KiB")
@@ -435,7 +435,7 @@ def test_placement_on_one_device_split_over_gpus_or_refused():
 
 
 def test_an_out_of_memory_probe_is_retried_at_half_batch_tokens(online, tmp_path, monkeypatch):
-    """Issue 19 (item 2): an out-of-memory probe failed its revision; it is retried once at half batch_tokens.
+    """Formerly: an out-of-memory probe failed its revision; it is retried once at half batch_tokens.
     The fault is injected at the probe's forward (a CUDA OOM cannot happen on this CPU; gpu_check.sh has the real one)."""
     plain = run(tmp_path / "plain", tmp_path / "cache", revisions=["step0"], batch_tokens=512)[0]
     original = sinkwatch.monitor.Monitor._forward
@@ -460,8 +460,8 @@ def test_an_out_of_memory_probe_is_retried_at_half_batch_tokens(online, tmp_path
 
 
 def test_the_paper_protocol_frees_float32_before_the_float16_pr_pass_and_stores_the_stages_the_report_shows(online, tmp_path, monkeypatch):
-    """Issue 19: the float32 model stayed alive while the paper protocol's float16 PR copy loaded.
-    Issue 18 item 10: stages were stored before the PR was added, and the report re-derived them with the default StageConfig."""
+    """Formerly: the float32 model stayed alive while the paper protocol's float16 PR copy loaded.
+    Formerly: stages were stored before the PR was added, and the report re-derived them with the default StageConfig."""
     loads, alive = [], []
     real = sinkwatch.replay.measure.load_model
 

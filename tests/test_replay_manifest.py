@@ -1,4 +1,4 @@
-"""The manifest and the record files (issue 26, items 3 and 6), against the stand-in hub through huggingface_hub
+"""The manifest and the record files, against the stand-in hub through huggingface_hub
 and local folders of tiny models.
 
 3. duplicate groups are found over the whole run, not among the revisions one call measures;
@@ -65,7 +65,7 @@ def run(model, out, **kw):
 
 # ---- item 3 ------------------------------------------------------------------------------------------------------------
 def test_a_subset_of_revisions_is_flagged_by_the_duplicate_groups_of_the_whole_run(hub, tmp_path):
-    """Issue 26 item 3: duplicates were found only among the revisions of one call: --revisions step150,step200
+    """Formerly: duplicates were found only among the revisions of one call: --revisions step150,step200
     drew step150 (serving the final weights, as step250, step300 and main do) as a trajectory point."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -75,7 +75,7 @@ def test_a_subset_of_revisions_is_flagged_by_the_duplicate_groups_of_the_whole_r
 
 
 def test_per_revision_units_flag_duplicates_and_finalize_leaves_them_out(hub, tmp_path):
-    """Issue 26 item 3, the documented unit: five one-revision calls flagged nothing (duplicate_of all None), and
+    """Formerly, the documented unit: five one-revision calls flagged nothing (duplicate_of all None), and
     the final replay drew all five. Units read the manifest's whole-run groups; identical weights are measured once."""
     from sinkwatch.replay import finalize, merged_records, replay_revision, write_manifest
 
@@ -107,7 +107,7 @@ def test_per_revision_units_flag_duplicates_and_finalize_leaves_them_out(hub, tm
 
 # ---- item 6 ------------------------------------------------------------------------------------------------------------
 def test_a_worker_start_with_a_manifest_asks_the_hub_nothing(hub, tmp_path):
-    """Issue 26 item 6: 1 + N sequential metadata requests at every worker start (158 for Pythia-1b's 154 revisions).
+    """Formerly: 1 + N sequential metadata requests at every worker start (158 for Pythia-1b's 154 revisions).
     The manifest is the plan: a start that finds one lists nothing at all."""
     store = tmp_path / "store"
     with warnings.catch_warnings():
@@ -124,7 +124,7 @@ def test_a_worker_start_with_a_manifest_asks_the_hub_nothing(hub, tmp_path):
 
 
 def test_a_second_start_reads_no_checkpoint_byte_already_hashed(tmp_path):
-    """Issue 26 item 6: a local run was hashed in full at every start of every worker (100 x 2 GB ~ 14 min)."""
+    """Formerly: a local run was hashed in full at every start of every worker (100 x 2 GB ~ 14 min)."""
     run_dir = tmp_path / "run"
     for step, seed in ((10, 0), (20, 1)):
         build("llama", seed=seed).save_pretrained(run_dir / f"step{step}")
@@ -149,7 +149,7 @@ def test_a_second_start_reads_no_checkpoint_byte_already_hashed(tmp_path):
 
 
 def test_a_done_lookup_opens_no_file_and_lists_no_folder_whatever_the_store_size(tmp_path, monkeypatch):
-    """Issue 26 item 6: store bookkeeping was O(store) per revision (replay_revision 6.5 s and +0.42 GB at 5,000 records)."""
+    """Formerly: store bookkeeping was O(store) per revision (replay_revision 6.5 s and +0.42 GB at 5,000 records)."""
     from sinkwatch.replay.store import ReplayStore, done_key
 
     store = ReplayStore(tmp_path)

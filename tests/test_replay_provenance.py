@@ -1,4 +1,4 @@
-"""Which weights each replay record measured, and labels that never lie (issue 20, items 2-5), against
+"""Which weights each replay record measured, and labels that never lie, against
 the stand-in hub (tests/local_hub.py) and local folders of tiny models the tests save themselves.
 
 - every record carries the commit its branch resolved to (downloaded by that commit), a fingerprint
@@ -42,7 +42,7 @@ SHARD = "model-00001-of-00002.safetensors"
 
 
 def fingerprint_of(files: dict[str, bytes]) -> str:
-    """The fingerprint as SPEC §8 defines it, computed here from the bytes (not from hub metadata)."""
+    """The fingerprint as docs/design.md §8 defines it, computed here from the bytes (not from hub metadata)."""
     lines = sorted(f"{p}\t{hashlib.sha256(b).hexdigest()}" for p, b in files.items() if p.endswith(".safetensors"))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 

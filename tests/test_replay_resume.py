@@ -1,4 +1,4 @@
-"""The plan written once, a resume that converges, and wrong branches that are never trajectory points (issue 34),
+"""The plan written once, a resume that converges, and wrong branches that are never trajectory points,
 against the stand-in hub through huggingface_hub, with real processes and real signals.
 
 - the docs' manifest line on Pythia-1b's 154 real branch names prints the array range 0-153, and every engine's

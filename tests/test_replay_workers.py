@@ -1,4 +1,4 @@
-"""Workers without an engine (issue 34): a deterministic stride of the manifest's tasks, then one pass over what is
+"""Workers without an engine: a deterministic stride of the manifest's tasks, then one pass over what is
 missing — no lease, no heartbeat, no lock — against the stand-in hub through huggingface_hub, with real processes
 and real signals.
 

@@ -1,4 +1,4 @@
-"""Revision names of the runs people publish (issue 20, item 1): steps, tokens, stages, parallel runs
+"""Revision names of the runs people publish: steps, tokens, stages, parallel runs
 and training order, over branch lists copied from the hub (shuffled here, as a listing may return them).
 
 Sources of the lists: EleutherAI/pythia-* (``stepN``), allenai/OLMo-1B-0724-hf (``stepN-tokensNB``),

@@ -1,5 +1,5 @@
 """The repeated probe's per-token losses come from the final hidden states through the model's own
-output head, in row chunks, outside the all-position logits (SPEC §9; capture/head.py): equal to the
+output head, in row chunks, outside the all-position logits (docs/design.md §9; capture/head.py): equal to the
 losses of ``model(...).logits`` for every family, with what each family does after its head."""
 
 import warnings

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0 capture (issue 27): on torchtitan's own debug models (llama3: MHA, the scale the layer
+"""torchtitan 0.3.0 capture: on torchtitan's own debug models (llama3: MHA, the scale the layer
 leaves to FlexAttention; qwen3: GQA, QK-norm, an explicit head_dim scale), built by its model registry,
 every record key equals an independent float64 computation from explicit attention weights.
 

@@ -1,4 +1,4 @@
-"""torchtitan under FSDP2 on 2 gloo processes (issue 27): one launch of tests/torchtitan_cells.py under a
+"""torchtitan under FSDP2 on 2 gloo processes: one launch of tests/torchtitan_cells.py under a
 timeout (each cell under a watchdog) runs torchtitan's debug config for llama3 and qwen3 (two of its
 blocks), its own ``parallelize_fn`` (``apply_fsdp_to_decoder``) over its ``ParallelDims`` on a CPU mesh, and
 real ``train_step`` calls with ``SinkWatchTrainer`` and with the stock ``Trainer``, each rank on its own

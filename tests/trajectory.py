@@ -31,7 +31,7 @@ def periodic_batch(rng: np.random.RandomState, batch: int, seq_len: int) -> torc
 def train_with_probes(
     family: str = "llama", steps: int = 1500, every: int = 100, seed: int = 0, lr: float = 3e-3, save_dir=None, save_steps=()
 ) -> list[dict]:
-    """Records (SPEC §10, untracked) at steps 0, every, 2*every, ..., steps; with ``save_dir``,
+    """Records (docs/design.md §10, untracked) at steps 0, every, 2*every, ..., steps; with ``save_dir``,
     ``save_pretrained`` checkpoints at ``save_steps`` (save_dir/step{N})."""
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)

@@ -1,4 +1,4 @@
-"""Capture attention statistics from a model during a probe forward (SPEC §2).
+"""Capture attention statistics from a model during a probe forward (docs/design.md §2).
 
 One module per kind of model, all behind the one ``ProbeTarget`` interface (``target.py``) and the
 one probe-time ``CaptureSession`` (``session.py``):

@@ -1,9 +1,9 @@
 """Per-token losses from the final hidden states, through the model's own output head, in row chunks.
 
-The repeated-random probe's ICL score (SPEC §5) needs the next-token loss at every position. Taking
+The repeated-random probe's ICL score (docs/design.md §5) needs the next-token loss at every position. Taking
 it from the model's all-position logits costs rows x T x V floats at once (8.5 GB for 64 x 128 at
 V = 262,144, plus a transposed copy and the log-softmax), so it grows with the vocabulary. Instead
-(SPEC §9) the probe forward asks the model for its last position's logits only, and ``HeadTap``,
+(docs/design.md §9) the probe forward asks the model for its last position's logits only, and ``HeadTap``,
 hooked for that forward:
 
 - keeps the final hidden states ``(B, S, d)`` (the output of the module that feeds the head);

@@ -1,4 +1,4 @@
-"""The probe-time capture session, shared by every kind of target (SPEC §2).
+"""The probe-time capture session, shared by every kind of target (docs/design.md §2).
 
 A ``CaptureSession`` maps each attention call to the decoder block it runs in (a forward pre-hook
 on every block says which block is running), so blocks without softmax attention (Mamba, linear
@@ -6,7 +6,7 @@ attention, convolutions in hybrid stacks) simply see no call, and one attention 
 several blocks (Zamba2) counts once per block it runs in. It fans every call out to the
 ``Collector``; ``activate`` makes it the one session the attention entry points see.
 
-What a head writes (PR, SPEC §5) is read where the model hands it to its output projection, when
+What a head writes (PR, docs/design.md §5) is read where the model hands it to its output projection, when
 the target names that module: gated attention (Qwen3-Next, OLMo-core) multiplies the attention
 output by a gate between the two, and the ratio of the two tensors is the gate itself.
 

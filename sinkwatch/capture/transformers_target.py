@@ -1,4 +1,4 @@
-"""Capture for transformers models (SPEC §2).
+"""Capture for transformers models (docs/design.md §2).
 
 sinkwatch registers an attention implementation named ``sinkwatch`` (and ``sinkwatch_eager``)
 through ``AttentionInterface``. During a probe it sees every softmax layer's post-RoPE ``query``,

@@ -1,4 +1,4 @@
-"""Live probes under data and model parallelism (SPEC §7), one module per idea:
+"""Live probes under data and model parallelism (docs/design.md §7), one module per idea:
 
 - ``layout``: which rank probes, which layouts are refused, and how a sharded model is gathered for a
   probe and given back after it (``ProbeLayout``);

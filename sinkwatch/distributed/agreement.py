@@ -1,4 +1,4 @@
-"""The rank protocol of a live probe: what the ranks that probe together agree on, and when (SPEC §7).
+"""The rank protocol of a live probe: what the ranks that probe together agree on, and when (docs/design.md §7).
 
 ``ProbeGroup.run(step, body, check=...)`` is the one owner of the protocol; a probe and the pre-flight
 probe are each one call of it. Every collective here is issued by every rank of the group at the same

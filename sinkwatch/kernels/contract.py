@@ -1,4 +1,4 @@
-"""The contract every ``attention_stats`` backend shares (SPEC §4): argument validation, the
+"""The contract every ``attention_stats`` backend shares (docs/design.md §4): argument validation, the
 normalised problem, and the output tuple. Backends import this module, never the dispatcher.
 
     q: (B, Hq, S, D)   post-RoPE queries, any strides, float32/float16/bfloat16/float64

@@ -1,4 +1,4 @@
-"""Triton backend of ``attention_stats`` (the GPU path of SPEC §4).
+"""Triton backend of ``attention_stats`` (the GPU path of docs/design.md §4).
 
 One program handles BLOCK_M query rows of one (sequence, q-head):
 

@@ -1,4 +1,4 @@
-"""Replay published training checkpoints (SPEC §8): one record per revision, resumable, on any engine.
+"""Replay published training checkpoints (docs/design.md §8): one record per revision, resumable, on any engine.
 
     sinkwatch replay pythia-1b                      # a packaged recipe (or recipes/pythia-1b.yaml)
     sinkwatch replay EleutherAI/pythia-410m --log-spaced 8 --out runs/pythia-410m

@@ -1,4 +1,4 @@
-"""The paper's group ablation at one revision of a replay (SPEC §5), kept in ``DIR/ablation.json``."""
+"""The paper's group ablation at one revision of a replay (docs/design.md §5), kept in ``DIR/ablation.json``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .progress import _status
 from .recipes import Recipe
 from .store import StoreMismatchError, key_difference, key_of, record_files, write_order
 
-# ---- the paper's group ablation (SPEC §5) -------------------------------------------------------------------
+# ---- the paper's group ablation (docs/design.md §5) -------------------------------------------------------------------
 ABLATION_FILE = "ablation.json"
 PAPER_ABLATION_DTYPE = "float16"  # the paper ran every ablation in float16, Pythia too
 PAPER_CONTROL_RULE = (

@@ -1,4 +1,4 @@
-"""Measuring one task (SPEC §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
+"""Measuring one task (docs/design.md §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
 
 1. ``begin``: the task's attempt starts (``attempts``: its own download folder emptied, its marker
    written); a member whose weights the manifest could not read is asked about again, and flagged
@@ -433,7 +433,7 @@ class Measurer:
 
 # ---- helpers ------------------------------------------------------------------------------------------------------------------
 def _first(probe, n: int):
-    """The first ``n`` sequences of a probe (the induction probe draws sequentially: SPEC §3)."""
+    """The first ``n`` sequences of a probe (the induction probe draws sequentially: docs/design.md §3)."""
     if isinstance(probe, ProbeSet):
         return probe.subset(min(n, probe.n))
     return dataclasses.replace(probe, n=min(n, probe.n))

@@ -1,4 +1,4 @@
-"""What a replay will cost, said before it starts (SPEC §8), and where each model goes.
+"""What a replay will cost, said before it starts (docs/design.md §8), and where each model goes.
 
 ``make_plan`` lists the revisions in training order with their sizes from the hub's file metadata
 (``hub.remote_files``: no download), the peak disk with and without eviction, host and device memory

@@ -1,4 +1,4 @@
-"""What a replay measures, resolved once before anything is fetched (SPEC §8): the recipe, the manifest
+"""What a replay measures, resolved once before anything is fetched (docs/design.md §8): the recipe, the manifest
 (the plan: tasks, commits, weights, duplicate groups over the whole run), the tasks this call works on,
 the protocol label, the probe sets, the dtype and the replay key — shared by the workers' loop (``run``),
 the plan, and the engines' unit and finalize (``unit``)."""

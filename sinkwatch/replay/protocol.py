@@ -1,6 +1,6 @@
-"""The protocol label a replay's records carry: ``paper``, ``sinkwatch`` or ``custom`` (issue 20, item 5).
+"""The protocol label a replay's records carry: ``paper``, ``sinkwatch`` or ``custom``.
 
-``paper`` and ``sinkwatch`` name the precision choices the numbers were computed with (SPEC §8). A
+``paper`` and ``sinkwatch`` name the precision choices the numbers were computed with (docs/design.md §8). A
 recipe file also fixes what is measured — its probes and dtype. An option that changes those
 (``--probe``, ``--n``, ``--seq-len``, ``--vocab-range``, ``--text``, ``--dtype``) makes the records
 ``protocol: custom``, with ``protocol_base`` (the precision choices used) and ``protocol_changes``

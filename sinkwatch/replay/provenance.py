@@ -1,4 +1,4 @@
-"""What each replay record measured (SPEC §8, §10): the commit its branch resolved to, a fingerprint of
+"""What each replay record measured (docs/design.md §8, §10): the commit its branch resolved to, a fingerprint of
 the weights, the versions and the device — and the revisions whose weights are not their own.
 
 - **Fingerprint.** sha256 over the sorted (path, sha256) of a revision's weight files. On the hub the
@@ -294,7 +294,7 @@ def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
 
 # ---- what a record says about itself ------------------------------------------------------------------
 def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | None) -> dict:
-    """The record keys of SPEC §10 that say what was measured (``device`` is added once loaded)."""
+    """The record keys of docs/design.md §10 that say what was measured (``device`` is added once loaded)."""
     out = {
         "commit": rev.commit,
         "weights_fingerprint": weights.fingerprint if weights is not None else None,

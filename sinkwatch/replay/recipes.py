@@ -36,7 +36,7 @@ class Recipe:
     batch_tokens: int = 16384
     layers: int | None = None
     heads_per_layer: int | None = None
-    protocol: str = "sinkwatch"  # the packaged recipes say "paper" (SPEC §8)
+    protocol: str = "sinkwatch"  # the packaged recipes say "paper" (docs/design.md §8)
     ablation_revision: str | None = None  # where the paper ran its group ablation (Pythia step143000, OLMo/OLMoE main)
     # a regex for revision names no built-in scheme reads (named groups step, tokens, stage, run), tried first
     revision_pattern: str | None = None

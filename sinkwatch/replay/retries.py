@@ -1,4 +1,4 @@
-"""Hub calls that survive the network (SPEC §8): 5xx answers, 429s and dropped, refused or timed-out
+"""Hub calls that survive the network (docs/design.md §8): 5xx answers, 429s and dropped, refused or timed-out
 connections are retried with exponential backoff and jitter (tenacity); after the retries the call
 fails with ``FetchError`` naming what it was, and the replay records that revision failed and goes on.
 Used by everything that talks to the hub: listing refs, file metadata, configs, downloads."""

@@ -1,4 +1,4 @@
-"""Workers without an engine (SPEC §8): a deterministic stride of the manifest's tasks, then one pass over what is missing.
+"""Workers without an engine (docs/design.md §8): a deterministic stride of the manifest's tasks, then one pass over what is missing.
 
 For plain processes — one process, torchrun, ``srun -n``, hosts started by hand — sharing a store.
 Engines (Slurm arrays, submitit, Ray) run the per-task unit of ``unit`` instead, over the same manifest.
@@ -92,7 +92,7 @@ def replay(
     device; revisions whose weights are not their own are flagged (``duplicate_of``) and, with
     ``skip_duplicates``, not measured.
 
-    ``protocol``: "paper" reproduces Xu 2026's precision choices (SPEC §8: float16 models probed
+    ``protocol``: "paper" reproduces Xu 2026's precision choices (docs/design.md §8: float16 models probed
     through eager float16 attention, PR from a float16 pass over the first 500 sequences), "sinkwatch"
     keeps float32 statistics and PR over every sequence; default: the recipe's. A store that holds
     records made with another protocol, dtype, model or probe set is refused (``StoreMismatchError``).

@@ -1,4 +1,4 @@
-"""The engines' side of replay (SPEC §8): the manifest written once, a thin per-task unit, and finalize.
+"""The engines' side of replay (docs/design.md §8): the manifest written once, a thin per-task unit, and finalize.
 
 Slurm arrays, submitit and Ray already schedule, time-limit and retry tasks; replay gives them:
 

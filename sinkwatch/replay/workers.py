@@ -1,4 +1,4 @@
-"""Who this replay worker is, whatever launched it (SPEC §8): torchrun, srun, a Slurm array, or a plain process.
+"""Who this replay worker is, whatever launched it (docs/design.md §8): torchrun, srun, a Slurm array, or a plain process.
 
 The index and count detected here are a worker's stride of the manifest's tasks (``run``: it measures
 those first, then what is still missing), name the worker (its records, its W&B run), pick its GPU,

@@ -50,7 +50,7 @@ def build_report(
         if name:
             md += [_image(name), ""]
     for i, s in enumerate(loaded):
-        md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see SPEC §8')}.", ""]
+        md += [f"## {s.label}", "", f"Protocol: **{s.protocol}** — {PROTOCOL_NOTE.get(s.protocol, 'see docs/design.md §8')}.", ""]
         changes = list(dict.fromkeys(c for r in s.records for c in r.get("protocol_changes") or []))
         if changes:
             md += [f"What changed from recipe protocol {s.records[-1].get('protocol_base')}: " + "; ".join(changes) + ".", ""]

@@ -11,7 +11,7 @@ from .markdown import _fmt, _tokens, _value
 from .store import Store
 
 PROTOCOL_NOTE = {
-    "paper": "the paper's protocol (SPEC §8): its numbers are directly comparable",
+    "paper": "the paper's protocol (docs/design.md §8): its numbers are directly comparable",
     "sinkwatch": (
         "sinkwatch's protocol (float32 statistics, PR over every sequence): NOT the paper's precision choices, so heads near "
         "30x/50x can differ from its tables for that reason alone; rerun with `--protocol paper` for a like-for-like comparison"

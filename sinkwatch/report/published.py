@@ -1,4 +1,4 @@
-"""``sinkwatch report --paper``: the paper's published data alone, no replay (issue 13, Deliver 4)."""
+"""``sinkwatch report --paper``: the paper's published data alone, no replay."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .markdown import _fmt, _image, _tokens, _write_markdown
 def build_paper_report(out_dir: str | os.PathLike) -> Path:
     """``sinkwatch report --paper``: what the paper's released tables say, without a replay — the
     three trajectories, findings by its own rules, per-layer sink counts, PR of the final circuits and
-    the ablations — plus ``findings.json`` (issue 13, Deliver 4). Returns the markdown path."""
+    the ablations — plus ``findings.json``. Returns the markdown path."""
     import json
 
     out = Path(out_dir)

@@ -23,7 +23,7 @@ def _trajectory_table(s: Store) -> list[str]:
 
 
 def _provenance_lines(s: Store) -> list[str]:
-    """Revisions outside the trajectory, duplicated weights and moved branches (issue 20)."""
+    """Revisions outside the trajectory, duplicated weights and moved branches."""
     lines: list[str] = []
     if s.outside:
         lines += ["Outside the trajectory (named, but no step in the name: measured, not drawn):", ""]

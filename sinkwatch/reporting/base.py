@@ -8,7 +8,7 @@ from typing import Any
 
 
 class Reporter:
-    """Receives every record (SPEC §10) and every stage event. The base class does nothing: it is
+    """Receives every record (docs/design.md §10) and every stage event. The base class does nothing: it is
     what non-logging ranks get, so the hot path never asks which rank it is on."""
 
     name = "null"

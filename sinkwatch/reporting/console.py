@@ -1,4 +1,4 @@
-"""Human-readable summaries of a record (SPEC §10)."""
+"""Human-readable summaries of a record (docs/design.md §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Local JSONL logs: ``records.jsonl`` (one SPEC §10 record per probe) and ``events.jsonl``.
+"""Local JSONL logs: ``records.jsonl`` (one docs/design.md §10 record per probe) and ``events.jsonl``.
 
 Always on: whatever happens to W&B, this keeps everything. Lines are appended whole and flushed,
 so a crash loses at most the line being written; readers skip a torn last line.
