@@ -45,7 +45,7 @@ def main(out: Path) -> None:
     monitor = Monitor([InductionProbe(n=5, seq_len=64)], config=MonitorConfig(backend="triton"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        record = monitor.probe(build("llama"), share=share, track=False).to_record()
+        record = monitor.probe(build("llama"), share=share).to_record()
     result = {
         "record": {k: v for k, v in record.items() if k not in ("probe_seconds", "versions")},
         "failure": api.triton_failure(),
