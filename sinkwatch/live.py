@@ -347,6 +347,7 @@ class LiveMonitor:
             self._probe_failed(step, outcome, retrying=delayed_from is not None)
             return
         self.n_probes += 1
+        events = self.tracker.track(outcome.value)  # only written probes reach the tracker
         record = outcome.value.to_record()
         record["config_hash"] = self.config_hash
         record["tracker_since_step"] = self.tracker_since_step
@@ -360,7 +361,6 @@ class LiveMonitor:
             self._warn(
                 "nan", f"sinkwatch: non-finite attention statistics at step {step} (NaN/inf activations?); they are recorded as null"
             )
-        events = self.tracker.update(record)  # only written probes reach the tracker
         self.reporter.log_record(record)
         for event in events:
             ev = event.to_dict()

@@ -442,6 +442,17 @@ class StageTracker:
         self.n_updates += 1
         return events
 
+    # the keys ``update`` writes into a record
+    RECORD_KEYS = ("p0_stage", "induction_state", "p0_stage_now", "induction_state_now", "p0_stage_by_anchor", "stages_visited")
+
+    def track(self, snapshot) -> list[StageEvent]:
+        """``update`` for a probe's ``Snapshot``: its values gain the keys ``update`` writes, so its record
+        holds them in the record's key order; returns the new events."""
+        record = snapshot.to_record()
+        events = self.update(record)
+        snapshot.values.update({k: record[k] for k in self.RECORD_KEYS if k in record})
+        return events
+
     def _visit(self, timeline: str, now: str, here: dict) -> None:
         seen = next((v for v in self.visited[timeline] if v["stage"] == now), None)
         if seen is None:

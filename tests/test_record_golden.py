@@ -31,7 +31,7 @@ import torch
 import transformers
 from tiny_models import VOCAB
 
-from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe, metrics
+from sinkwatch import InductionProbe, Monitor, MonitorConfig, NaturalProbe, RepeatedRandomProbe, StageTracker, metrics
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden_record.json"
@@ -67,6 +67,8 @@ def golden_records(model: torch.nn.Module, backend: str = "auto") -> dict[str, d
     natural = NaturalProbe(tokens=_natural_tokens(), n=6, seq_len=40)
     with_natural = Monitor([induction, repeated, natural], config=cfg).probe(model, step=60, tokens=60 * 16 * 64)
     without_natural = Monitor([induction, repeated], config=cfg).probe(model, step=60, tokens=60 * 16 * 64)
+    for snap in (with_natural, without_natural):  # a run's first probe, tracked as the live monitor tracks it
+        StageTracker(cfg.stages).track(snap)
     return json.loads(json.dumps({"with_natural": with_natural.to_record(), "without_natural": without_natural.to_record()}))
 
 
