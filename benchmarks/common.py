@@ -93,10 +93,10 @@ def write_csv(rows: list[dict], path: str, meta: dict | None = None) -> Path:
 def write_results(rows: list[dict], path: str, *, title: str, columns: dict[str, str], notes: list[str], meta: dict) -> tuple[Path, Path]:
     """``<path>.json`` (``run_info(**meta)`` and every row in full) and ``<path>.md``: the title, the
     run's facts, ``notes`` (one line each), then a table of ``columns`` (key -> header; floats to 3
-    significant digits)."""
+    significant digits); and, as every benchmark writes them, ``<path>.csv`` and ``<path>.meta.json``."""
     info = run_info(**meta)
     stem = Path(path).with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_csv([{k: r.get(k) for k in sorted({k for row in rows for k in row})} for r in rows], str(stem.with_suffix(".csv")), meta)
     js = stem.with_suffix(".json")
     js.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
     v = info["versions"]
