@@ -218,6 +218,10 @@ class CaptureSession:
 
     def _fused(self, module, delegate, query, key, value, scaling, window, softcap, sinks) -> AttentionOutput | None:
         """sinkwatch's own output and lse, or None where the model's attention computes the output."""
+        if not (query.dtype == key.dtype == value.dtype):
+            # mixed dtypes: autocast is on (e.g. RoPE in float32 on bf16 projections); the model's
+            # attention applies autocast's casts, which are part of the forward it would run
+            return None
         backend = output_backend(query.device, query.dtype)
         if backend is None:
             return None
