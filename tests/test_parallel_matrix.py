@@ -299,6 +299,16 @@ def test_the_sharded_probe_path_passes_every_capture_hook_through(family):
         np.testing.assert_array_equal(np.array(guarded[key], dtype=float), np.array(plain[key], dtype=float), err_msg=key)
 
 
+def test_the_fault_holding_wrapper_has_every_hook_of_the_collector_protocol():
+    """A hook missing from the wrapper is silently lost on every sharded probe (the fused-attention hook
+    was: the group's statistics made a second pass and differed from the plain probe in the 7th digit)."""
+    from sinkwatch.capture.session import Collector
+    from sinkwatch.distributed.forwards import _HeldFaults
+
+    hooks = {name for name in vars(Collector) if name.startswith("on_")}
+    assert hooks and hooks <= set(vars(_HeldFaults)), sorted(hooks - set(vars(_HeldFaults)))
+
+
 def test_log_spaced_steps_are_rank_0s_on_every_rank(matrix):
     """Rank 0 plans 10 steps, rank 1 1000 (unequal data): both probe rank 0's log-spaced steps."""
     d = cell_dir(matrix, "log_spaced_schedule")

@@ -74,6 +74,10 @@ class _HeldFaults:
     def on_attention(self, layer, query, key, scaling, window, softcap, sinks=None):
         self._call("on_attention", layer, query, key, scaling, window, softcap, sinks)
 
+    def on_fused_attention(self, layer, fused):
+        if hasattr(self.inner, "on_fused_attention"):  # optional in the protocol: absent, statistics make their own pass
+            self._call("on_fused_attention", layer, fused)
+
     def on_attention_output(self, layer, output):
         return self._call("on_attention_output", layer, output)
 
