@@ -70,11 +70,15 @@ def run_info(**extra) -> dict:
     }
 
 
-def load_line(first: list[float], cores: int | None = None) -> str:
-    """One sentence on how busy the machine was, from 1-minute load averages sampled during a run."""
+def load_line(first: list[float], cores: int | None = None, own: int | None = None) -> str:
+    """One sentence on how busy the machine was, from 1-minute load averages sampled during a run.
+    ``own``: the threads the benchmark itself keeps busy (default: torch's), whose load is not "other"."""
+    import torch
+
     cores = cores or os.cpu_count() or 1
-    busy = max(first) > 0.5 * cores
-    state = "shared and loaded (other processes ran beside the benchmark)" if busy else "quiet"
+    own = own if own is not None else torch.get_num_threads()
+    busy = max(first) > min(own, cores) + 0.75  # a 1-minute average lags: a margin for what ran just before
+    state = "shared and loaded (other processes ran beside the benchmark)" if busy else f"quiet beyond the benchmark's own {own} threads"
     return f"Machine: {state}: 1-minute load average {min(first):.1f}-{max(first):.1f} on {cores} logical CPUs while it ran."
 
 
