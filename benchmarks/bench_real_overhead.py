@@ -6,7 +6,9 @@ probe sets of ``sinkwatch.probes.default_probes`` with natural windows of the fi
 ``LiveConfig()`` builds), and the overhead at N = 250: probe / (250 x step). Steps and
 probes alternate (``--rounds`` of ``--steps`` steps then one probe, after a warm-up step and probe),
 so a load change on a shared machine hits both; the probe's time is its median over rounds, the
-first probe's (first-call costs included) is reported beside it.
+first probe's (first-call costs included) is reported beside it. After each probe, its floor: the probe
+sets' tokens through the model in the same micro-batches with ``logits_to_keep=1`` and no statistics
+(probe / floor near 1 means the cost left is the probe's size, not its statistics).
 
     python benchmarks/bench_real_overhead.py --model DIR [--batch 8] [--seq 256] [--steps 3] [--rounds 3] [--out OUT]
 
@@ -68,29 +70,49 @@ def main(argv=None) -> int:
         monitor.probe(model)
         return time.perf_counter() - t0
 
+    sets = monitor.probe_sets(resolve_target(model).vocab_size)
+
+    def floor() -> float:
+        """The probe's floor: its tokens through the model, in its micro-batches, logits_to_keep=1 (no statistics)."""
+        model.eval()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in sets:
+                rows = monitor._micro(s)
+                for i in range(0, s.n, rows):
+                    model(input_ids=s.tokens[i : i + rows], logits_to_keep=1, use_cache=False)
+        return time.perf_counter() - t0
+
     loads = [load_average()[0]]
     train_step()  # warm-up: allocations, optimizer state
     first_probe = probe()
-    step_times, probe_times = [], []
+    floor()  # warm-up
+    step_times, probe_times, floor_ratios = [], [], []
     for _ in range(args.rounds):
         step_times += [train_step() for _ in range(args.steps)]
         probe_times.append(probe())
+        floor_ratios.append(probe_times[-1] / floor())  # side by side: the same load on both
         loads.append(load_average()[0])
     step, probe_s = statistics.median(step_times), statistics.median(probe_times)
     row = {
         "model": args.model, "batch": args.batch, "seq": args.seq, "step_s": step, "probe_s": probe_s, "first_probe_s": first_probe,
         "every": args.every, "overhead_pct": 100 * probe_s / (args.every * step), "steps": len(step_times), "probes": len(probe_times),
+        "probe_tokens": sum(s.tokens.numel() for s in sets), "probe_over_floor": statistics.median(floor_ratios),
     }  # fmt: skip
     print(f"training step {step:.2f} s ({args.batch} x {args.seq} tokens), one default probe {probe_s:.2f} s (first {first_probe:.2f} s): "
-          f"{probe_s / step:.1f} steps' worth; overhead at N = {args.every}: {row['overhead_pct']:.2f} %")  # fmt: skip
+          f"{probe_s / step:.1f} steps' worth; overhead at N = {args.every}: {row['overhead_pct']:.2f} %; "
+          f"probe / its tokens' forwards with logits_to_keep=1: {row['probe_over_floor']:.2f}")  # fmt: skip
     notes = [
         f"Real SmolLM2-135M-Instruct weights (dequantised GGUF), float32, AdamW, batch {args.batch} x {args.seq} tokens of Python source.",
         f"{args.rounds} rounds of {args.steps} training steps then one probe with the live defaults, after a warm-up step and probe; "
         "medians; overhead = probe / (N x step) at the default interval N.",
+        "Floor: the probe's own tokens through the model in its micro-batches with logits_to_keep=1 and no statistics, "
+        "timed right after each probe; probe / floor is the median over rounds.",
         load_line(loads),
     ]
     columns = {"batch": "batch", "seq": "S", "step_s": "training step, s", "probe_s": "default probe, s",
-               "first_probe_s": "(first probe), s", "every": "interval N", "overhead_pct": "overhead, %"}  # fmt: skip
+               "first_probe_s": "(first probe), s", "every": "interval N", "overhead_pct": "overhead, %",
+               "probe_tokens": "probe tokens", "probe_over_floor": "probe / floor"}  # fmt: skip
     md, js = write_results([row], args.out, title="sinkwatch live overhead on real SmolLM2-135M weights (CPU)", columns=columns,
                            notes=notes, meta={"load_average_samples": loads})  # fmt: skip
     print("wrote", md, js)
