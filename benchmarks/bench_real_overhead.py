@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     n, T = LIVE_PROBES["natural"]
     windows = natural_windows(ids, T, n)  # the live default's windows (fewer from a small first batch)
     natural = probe_of_windows(windows, bos_token_id=None, requested=(n, T))
-    monitor = Monitor(default_probes(resolve_target(model).context, natural=natural))  # what LiveConfig() builds
+    target = resolve_target(model)
+    monitor = Monitor(default_probes(target.context, natural=natural))  # what LiveConfig() builds
 
     def train_step() -> float:
         model.train()
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         monitor.probe(model)
         return time.perf_counter() - t0
 
-    sets = monitor.probe_sets(resolve_target(model).vocab_size)
+    sets = monitor.probe_sets(target.vocab_size)
 
     def floor() -> float:
         """The probe's floor: its tokens through the model, in its micro-batches, logits_to_keep=1 (no statistics)."""
@@ -78,9 +79,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for s in sets:
-                rows = monitor._micro(s)
-                for i in range(0, s.n, rows):
-                    model(input_ids=s.tokens[i : i + rows], logits_to_keep=1, use_cache=False)
+                for batch in monitor._batches(s):  # the probe's own micro-batches
+                    model(input_ids=s.tokens[batch], logits_to_keep=1, use_cache=False)
         return time.perf_counter() - t0
 
     loads = [load_average()[0]]
