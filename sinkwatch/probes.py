@@ -541,7 +541,12 @@ ProbeRecipe = InductionProbe | RepeatedRandomProbe | NaturalProbe
 # The probes of a live run (the callbacks, the demo, the recipes), as (sequences, tokens per sequence):
 # cheap enough to run every few hundred steps, large enough for stable statistics. The recipes' own
 # defaults above are a one-shot probe's (the paper's scale); a live run fits these to the model.
-LIVE_PROBES = {"induction": (100, 256), "repeated": (32, 128), "natural": (32, 64)}
+# A probe costs its tokens (it runs at ~1.0x their forwards), so each size is the smallest measured to
+# read what the larger one reads (benchmarks/probe_sizes.py, docs/live.md "Overhead"): 50 induction
+# sequences read the same stage as 100 on every probe of two demo trajectories and as many >= 50x heads
+# on SmolLM2, as close to n = 500's; 16 repeated-random sequences moved the demo's events, so that probe keeps 32. PR's N is
+# the induction probe's n (records: ``pr_sequences``): compare a live PR with PRs of the same probe size.
+LIVE_PROBES = {"induction": (50, 256), "repeated": (32, 128), "natural": (32, 64)}
 
 
 def default_probes(context: int | None, *, vocab_range: tuple[int, int] | None = None, natural=None) -> list:
