@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -53,7 +52,10 @@ def monitors(sizes, *, context: int, vocab_size: int, vocab_range, natural):
     T_ind, T_rep = min(LIVE_PROBES["induction"][1], context), min(LIVE_PROBES["repeated"][1], context) // 2 * 2
     out = []
     for n_ind, n_rep in sizes:
-        probes = [InductionProbe(n=n_ind, seq_len=T_ind, vocab_range=vocab_range), RepeatedRandomProbe(n=n_rep, seq_len=T_rep, vocab_range=vocab_range)]
+        probes = [
+            InductionProbe(n=n_ind, seq_len=T_ind, vocab_range=vocab_range),
+            RepeatedRandomProbe(n=n_rep, seq_len=T_rep, vocab_range=vocab_range),
+        ]
         out.append(Monitor([*probes, natural] if natural is not None else probes))
     return out
 
@@ -171,11 +173,12 @@ def main(argv=None) -> int:
         "each size's records through its own StageTracker() at the defaults; same state / declared: probes whose induction_state_now / "
         "declared induction_state equals the first size's.",
         "SmolLM2 rows: real SmolLM2-135M-Instruct weights (dequantised GGUF), float32; the induction probe's first n of 500 sequences, "
-        "the repeated-random probe's first M of 128; head sets against the largest probe (Jaccard), the selectivity error on heads >= 10x there.",
+        "the repeated-random probe's first M of 128; head sets against the largest probe (Jaccard), "
+        "the selectivity error on heads >= 10x there.",
     ]
     columns = {"part": "part", "size": "size (induction x repeated)", "formed_step": "formed at", "first_met_step": "first met",
-               "events": "induction events", "same_state": "same state as ref", "same_declared": "same declared as ref", "probe_s": "probe, s", "ge50": ">= 50x heads",
-               "ge50_jaccard": ">= 50x Jaccard", "ge30_jaccard": ">= 30x Jaccard", "sel_max_rel_err": "max rel. err (>= 10x heads)",
+               "events": "induction events", "same_state": "same state as ref", "same_declared": "same declared as ref", "probe_s": "probe, s",
+               "ge50": ">= 50x heads", "ge50_jaccard": ">= 50x Jaccard", "ge30_jaccard": ">= 30x Jaccard", "sel_max_rel_err": "max rel. err (>= 10x heads)",
                "prefix_jaccard": "prefix >= 0.3 Jaccard", "icl": "ICL", "icl_ref": "ICL (ref)"}  # fmt: skip
     md, js = write_results(rows, args.out, title="sinkwatch live probe sizes: what the stage rules read at each size", columns=columns,
                            notes=notes, meta={"sizes": [f"{a}x{b}" for a, b in args.sizes]})  # fmt: skip

@@ -307,14 +307,18 @@ def test_ray_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_limit(
         docs_block("**Ray**", "python"),
         ('"/shared/runs/pythia-1b"', repr(str(store))),
         ("num_gpus=1", "num_gpus=0"),  # no GPU here
-        ("limit_s=2 * 3600", "limit_s=90"),  # a limit the hung task reaches in the test; the others end well before, on a loaded machine too (at 60 s a retried task hit it under 2x load)
+        ("limit_s=2 * 3600", "limit_s=90"),  # the hung task reaches it; the others end well before, under 2x load too
     )
     with Watch(store, faults) as watch:
         scope = {"__name__": "__main__"}
         exec(compile(code, "docs/replay.md", "exec"), scope)
     assert scope["attempt"] == 1 and scope["tasks"] == [] and scope["summary"]["done"] == NAMES, (scope["summary"], watch.events)
-    assert "Killed" not in json.dumps(watch.failed)  # Ray ran the killed worker's task again: its next attempt recorded it
-    assert set(watch.failed) == {"step16"} and watch.failed["step16"]["error"].startswith("KeyboardInterrupt"), watch.failed
+    # the SIGKILLed step1 never has a failed row: Ray ran the killed worker's task again and its next attempt recorded it
+    assert set(watch.failed) == {"step16"}, watch.failed
+    # the hung step16: cancelled (KeyboardInterrupt, the unit writes its row) or, when Ray's cancel has not ended it within
+    # the grace minute (seen once in a full-suite run), force-cancelled (its worker killed, finalize writes the row); both
+    # are docs/replay.md's documented paths and both converge
+    assert watch.failed["step16"]["error"].startswith(("KeyboardInterrupt", "Killed")), watch.failed
     assert_converged(store, hub)
 
 
