@@ -177,9 +177,10 @@ def main(argv=None) -> int:
         "the selectivity error on heads >= 10x there.",
     ]
     columns = {"part": "part", "size": "size (induction x repeated)", "formed_step": "formed at", "first_met_step": "first met",
-               "events": "induction events", "same_state": "same state as ref", "same_declared": "same declared as ref", "probe_s": "probe, s",
-               "ge50": ">= 50x heads", "ge50_jaccard": ">= 50x Jaccard", "ge30_jaccard": ">= 30x Jaccard", "sel_max_rel_err": "max rel. err (>= 10x heads)",
-               "prefix_jaccard": "prefix >= 0.3 Jaccard", "icl": "ICL", "icl_ref": "ICL (ref)"}  # fmt: skip
+               "events": "induction events", "same_state": "same state as ref", "same_declared": "same declared as ref",
+               "probe_s": "probe, s", "ge50": ">= 50x heads", "ge50_jaccard": ">= 50x Jaccard", "ge30_jaccard": ">= 30x Jaccard",
+               "sel_max_rel_err": "max rel. err (>= 10x heads)", "prefix_jaccard": "prefix >= 0.3 Jaccard", "icl": "ICL",
+               "icl_ref": "ICL (ref)"}  # fmt: skip
     md, js = write_results(rows, args.out, title="sinkwatch live probe sizes: what the stage rules read at each size", columns=columns,
                            notes=notes, meta={"sizes": [f"{a}x{b}" for a, b in args.sizes]})  # fmt: skip
     print("wrote", md, js)
