@@ -74,6 +74,28 @@ def paper_pr(model_key: str, per_head: dict | None = None) -> list[np.ndarray]:
     return [np.array([[t["pr"][f"L{l}_H{h}"][i] for h in range(H)] for l in range(L)]) for i in range(len(t["revisions"]))]
 
 
+PAPER_INDUCTION_MILESTONES_B = {"EleutherAI/pythia-1b": 6.29, "allenai/OLMo-1B-0724-hf": 23.0, "allenai/OLMoE-1B-7B-0924": 20.0}
+
+
+def published_stage_records(model_key: str, reference: dict | None = None, per_head: dict | None = None) -> list[dict]:
+    """The paper's per-revision tables of ``model_key`` (every head's selectivities and PR) as the records
+    the stage tracker reads, one per revision in token order (``step`` is the revision's index)."""
+    reference = reference or load_reference()
+    per_head = per_head or load_per_head()
+    prs = paper_pr(model_key, per_head)
+    out = []
+    for i, rev in enumerate(reference["models"][model_key]["revisions"]):
+        sel = paper_selectivity(model_key, rev["revision"], per_head)
+        L, H = sel["induction"].shape
+        out.append(
+            {
+                "step": i, "tokens": round(rev["tokens_b"] * 1e9), "revision": rev["revision"], "n_layers": L, "n_heads": H,
+                "selectivity": {k: v.tolist() for k, v in sel.items()}, "pr": prs[i].tolist(),
+            }
+        )  # fmt: skip
+    return out
+
+
 def reference_key(model: str, reference: dict | None = None) -> str | None:
     """The reference entry for a model id or a short name (``pythia-1b``), or None."""
     ref = reference or load_reference()

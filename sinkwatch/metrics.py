@@ -350,13 +350,18 @@ def p0_circuit(
 
     - ``rho_max``, ``rho_max_block``: the largest rho_l and its block;
     - ``p0_emergence_block``: the block with the largest gain in log rho (block 0's gain is over the
-      embeddings): where the amplification happens;
-    - ``p0_persistence``: the share of the blocks after it whose rho stays >= ``min_ratio`` (NaN when
-      it is the last block: nothing after it can anchor on it);
+      embeddings): where the amplification happens; None when nothing is amplified (below);
+    - ``p0_persistence``: the share of the blocks after the largest-gain block whose rho stays >=
+      ``min_ratio`` (NaN when it is the last block: nothing after it can anchor on it);
     - ``p0_concentration``: the share of log rho_max gained within blocks 0..``shallow_blocks``-1,
-      both measured from the embeddings, clipped to [0, 1]; NaN when rho_max <= 1 or no block
-      gains over the embeddings. The P0 paper's signal: the circuit concentrates in blocks 0-1 as
-      training converges;
+      both measured from the embeddings, clipped to [0, 1]. The P0 paper's signal: the circuit
+      concentrates in blocks 0-1 as training converges. Unlike the emergence block it moves
+      continuously when two blocks amplify alike (the stage rules read it, not the block). NaN when
+      nothing is amplified;
+    - "nothing is amplified": the largest-gain block's rho < ``min_ratio``, or its amplification does
+      not persist (persistence < ``min_persistence``, or NaN). A random initialisation's block 0 makes
+      position 0 stand out (rho ~2) and the next block undoes it: an emergence block or a
+      concentration there would be noise;
     - ``circuit_layer``: the emergence block when it amplifies (rho >= ``min_ratio``), persists
       (persistence >= ``min_persistence``) and, with ``consistency``, points one way across
       sequences (c >= ``min_consistency``); else None.
@@ -381,16 +386,18 @@ def p0_circuit(
     if np.isnan(gains).all():
         return out
     e = int(np.nanargmax(gains))
-    out["p0_emergence_block"] = e
     later = rho[e + 1 :]
     persistence = float(np.mean(np.nan_to_num(later, nan=-np.inf) >= min_ratio)) if later.size else math.nan
     out["p0_persistence"] = persistence
+    if not (rho[e] >= min_ratio and persistence >= min_persistence):  # nothing amplified (NaN persistence fails)
+        return out
+    out["p0_emergence_block"] = e
     span = log_rho[top] - math.log(base)
     if rho[top] > 1 and span > 0:
         shallow = np.nanmax(np.concatenate([log_rho[:shallow_blocks], [-np.inf]]))
         out["p0_concentration"] = float(np.clip((shallow - math.log(base)) / span, 0.0, 1.0))
     stable = consistency is None or np.nan_to_num(np.asarray(consistency, dtype=float)[e], nan=-np.inf) >= min_consistency
-    if rho[e] >= min_ratio and persistence >= min_persistence and stable:  # NaN persistence fails
+    if stable:
         out["circuit_layer"] = e
     return out
 

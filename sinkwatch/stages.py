@@ -1,9 +1,10 @@
 """Developmental stages: sinkwatch's own operational rules, and a tracker with hysteresis.
 
 Two timelines (docs/stages.md has every rule, threshold and the measurements behind them):
-- the P0-sink circuit: ``none -> early -> transitional -> final``, with two other outcomes a run can
-  settle in: ``deep`` (an established sink on position 0 whose circuit amplifies deeper than blocks
-  0-1) and ``shifted`` (an established single sink off position 0 held by a shallow circuit);
+- the P0-sink circuit: ``none -> early -> {deep, transitional, shifted} -> final``: after ``early`` the
+  sink is established, and three readings say how it is not (yet) final: its circuit amplifies deeper
+  than blocks 0-1 (``deep``, where a run may also settle), several sink positions (``transitional``),
+  a single sink off position 0 held by a shallow circuit (``shifted``); they rank alike;
 - the induction circuit: ``absent -> forming -> formed``.
 
 ``classify`` applies the rules to one record alone (the ``*_now`` keys). ``StageTracker`` declares
@@ -26,9 +27,13 @@ import numpy as np
 from . import metrics
 from .records import jsonable, softmax_layers_of
 
-P0_STAGES = ("none", "early", "transitional", "final", "deep", "shifted")
-P0_RANK = {"none": 0, "early": 1, "transitional": 2, "final": 3, "deep": 3, "shifted": 3}  # development order
-P0_END_STATES = ("final", "deep", "shifted")
+P0_STAGES = ("none", "early", "deep", "transitional", "shifted", "final")
+# Development order. The three ways an established sink is not (yet) final rank alike: a circuit still deep,
+# several sink positions, a single sink off position 0. The P0 paper's path runs through them (a circuit first
+# deeper, then several sinks, the centre on position 1 for a while) before it concentrates in blocks 0-1, so a
+# move among them is lateral (INFO), never a regression; leaving `final` for any of them is one (WARN).
+P0_RANK = {"none": 0, "early": 1, "deep": 2, "transitional": 2, "shifted": 2, "final": 3}
+P0_END_STATES = ("final",)
 INDUCTION_STATES = ("absent", "forming", "formed")
 INDUCTION_RULES = ("any", "selectivity", "prefix")
 TIMELINES = ("p0", "induction")
@@ -43,7 +48,8 @@ class StageConfig:
     circuit_min_persistence: float = 0.5  # ... in at least this share of the blocks after it ...
     circuit_min_consistency: float = 0.8  # ... along one direction (centred consistency >= C)
     bos_min_norm_ratio: float = 4.0  # R for the BOS anchor (one shared first token: no direction test)
-    final_max_circuit_layer: int = 1  # "final": the circuit sits in blocks 0-1
+    final_max_circuit_layer: int = 1  # "final": the circuit sits in blocks 0-1 ...
+    final_min_concentration: float = 0.5  # ... i.e. at least this share of log rho_max is gained there (p0_concentration)
     # P0 sinks (Gu et al.'s Sink_k profile)
     sink_rate_floor: float = 0.02  # sinks present: the largest Sink_k >= this
     established_sink_rate: float = 0.3  # an established sink: the largest Sink_k >= this
@@ -52,8 +58,6 @@ class StageConfig:
     min_heads: int | None = None  # None: 3 for >= 72 heads (the paper's 1B models), fewer for tiny models
     formed_min_selectivity: float = metrics.INDUCTION_CIRCUIT_MIN_SELECTIVITY  # 50x
     forming_min_selectivity: float = metrics.INDUCTION_HEAD_MIN_SELECTIVITY  # 30x
-    pr_lead_factor: float = 1.5  # forming: a head's PR rose this much over its first probe ...
-    pr_lead_min_selectivity: float = 10.0  # ... while its induction selectivity is at least this
     # induction (prefix-matching rule on the repeated-random probe)
     prefix_min_score: float = 0.3  # a head is an induction head when its prefix-matching score >= this
     prefix_max_icl: float = -0.3  # ... and the model's ICL score (nats) <= this
@@ -62,7 +66,8 @@ class StageConfig:
     induction_rule: str = "any"  # which probe's rule decides: any | selectivity | prefix
     # hysteresis (a Schmitt trigger)
     patience: int = 2  # the probe that meets a stage's rule, then patience - 1 probes that meet its hold rule
-    hold_factor: float = 0.6  # the hold rule: each threshold t becomes t x f in the stage's favour (t / f against)
+    hold_factor: float = 0.6  # induction's hold rule: each threshold t becomes t x f in the stage's favour (t / f against)
+    p0_hold_factor: float = 0.8  # the same for the P0 rules, whose keys are far less noisy (docs/stages.md, noise)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -81,13 +86,14 @@ class StageConfig:
                     raise ValueError(f"final_max_circuit_layer must be an int >= 0, got {v!r}")
             elif not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise TypeError(f"{f.name} must be a finite number, got {v!r}")
-        for name in ("sink_rate_floor", "established_sink_rate", "second_sink_ratio", "circuit_min_persistence"):
+        for name in ("sink_rate_floor", "established_sink_rate", "second_sink_ratio", "circuit_min_persistence", "final_min_concentration"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} is a fraction in [0, 1], got {getattr(self, name)!r}")
         if self.established_sink_rate < self.sink_rate_floor:
             raise ValueError("established_sink_rate must be at least sink_rate_floor (an established sink is present)")
-        if not 0 < self.hold_factor <= 1:
-            raise ValueError(f"hold_factor must be in (0, 1] (1: no hysteresis beyond patience), got {self.hold_factor!r}")
+        for name in ("hold_factor", "p0_hold_factor"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1] (1: no hysteresis beyond patience), got {getattr(self, name)!r}")
         if self.forming_min_selectivity > self.formed_min_selectivity:
             raise ValueError("forming_min_selectivity must not exceed formed_min_selectivity")
         if self.prefix_forming_score > self.prefix_min_score or self.prefix_forming_icl < self.prefix_max_icl:
@@ -162,10 +168,27 @@ class _P0Facts:
         self.profile = np.nan_to_num(np.asarray(view["sink_profile"], dtype=float), nan=0.0)
         self.top = float(self.profile.max()) if self.profile.size else 0.0
 
+    def circuit(self, want_found: bool) -> dict:
+        """The circuit's layer and concentration, the thresholds leaning towards a circuit (not) found."""
+        if "p0_norm_ratio" not in self.view:  # a record that carries only its circuit keys
+            layer = self.view.get("circuit_layer")
+            concentration = self.view.get("p0_concentration")
+            if concentration is None:  # only a layer: blocks 0..final_max_circuit_layer hold all of it, or none
+                concentration = float(layer is not None and layer <= self.config.final_max_circuit_layer)
+            return {"circuit_layer": layer, "p0_concentration": concentration}
+        return circuit(self.view, self.config, bos=self.bos, lean=self.lean, want=want_found)
+
     def layer(self, want_found: bool) -> int | None:
-        if "p0_norm_ratio" not in self.view:  # a record that carries only its circuit layer
-            return self.view.get("circuit_layer")
-        return circuit(self.view, self.config, bos=self.bos, lean=self.lean, want=want_found)["circuit_layer"]
+        return self.circuit(want_found)["circuit_layer"]
+
+    def shallow(self, want: bool) -> bool:
+        """A circuit concentrated in blocks 0..final_max_circuit_layer: found, and at least
+        ``final_min_concentration`` of log rho_max gained there. The concentration, not the emergence
+        block: when two blocks amplify alike the block flips with every probe, the share moves smoothly."""
+        found = self.circuit(want)
+        share = found["p0_concentration"]
+        share = 0.0 if share is None or not math.isfinite(share) else float(share)
+        return found["circuit_layer"] is not None and share >= self.lean.move(self.config.final_min_concentration, want, unit=True)
 
     def __call__(self, name: str, want: bool) -> bool:
         c, lean = self.config, self.lean
@@ -181,8 +204,7 @@ class _P0Facts:
         if name == "circuit":
             return (self.layer(want) is not None) == want
         if name == "shallow":
-            layer = self.layer(want)
-            return (layer is not None and layer <= c.final_max_circuit_layer) == want
+            return self.shallow(want) == want
         raise KeyError(name)
 
 
@@ -222,17 +244,20 @@ def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, di
     facts = _P0Facts(view, config, bos=anchor == "bos", lean=_Lean(None))
     stage = next(s for s, rule in P0_RULES.items() if rule(facts))
     profile = facts.profile
+    found = facts.circuit(True)  # with this config's thresholds, as the rules read it
     evidence = {
         "anchor": anchor,
         "sink_rate": view["sink_rate"],
         "max_sink_k": facts.top,
         "sink_center": view["sink_center"],
         "sink_positions": metrics.sink_positions(profile, config.second_sink_ratio, config.sink_rate_floor),
-        "circuit_layer": facts.layer(True),
+        "circuit_layer": found["circuit_layer"],
     }
-    for key in ("p0_emergence_block", "p0_concentration", "rho_max"):
-        if key in view:
-            evidence[key] = view[key]
+    for key in ("p0_emergence_block", "p0_concentration"):
+        if key in found:
+            evidence[key] = found[key]
+    if "rho_max" in view:
+        evidence["rho_max"] = view["rho_max"]
     return stage, evidence
 
 
@@ -241,7 +266,7 @@ def p0_holds(record: Mapping[str, Any], stage: str, config: StageConfig) -> bool
     anchor, view = _judged_view(record)
     if not _p0_usable(view):
         return stage == "none"
-    return P0_RULES[stage](_P0Facts(view, config, bos=anchor == "bos", lean=_Lean(config.hold_factor)))
+    return P0_RULES[stage](_P0Facts(view, config, bos=anchor == "bos", lean=_Lean(config.p0_hold_factor)))
 
 
 def p0_stage_by_anchor(record: Mapping[str, Any], config: StageConfig) -> dict[str, str] | None:
@@ -256,7 +281,7 @@ def p0_stage_by_anchor(record: Mapping[str, Any], config: StageConfig) -> dict[s
 
 
 # ---- induction ------------------------------------------------------------------------------------
-def _induction_levels(record: Mapping[str, Any], config: StageConfig, pr_initial: np.ndarray | None, lean: _Lean | None):
+def _induction_levels(record: Mapping[str, Any], config: StageConfig, lean: _Lean | None):
     """Per applicable rule: (the state it reads, its evidence). With ``lean``, the state is the highest
     one whose rule holds with the thresholds leaning its way (the hold reading)."""
     need = config.heads_needed(len(softmax_layers_of(record)), record["n_heads"])
@@ -264,22 +289,17 @@ def _induction_levels(record: Mapping[str, Any], config: StageConfig, pr_initial
     out = []
     if config.induction_rule in ("any", "selectivity") and "selectivity" in record:
         sel = np.nan_to_num(np.asarray(record["selectivity"]["induction"], dtype=float), nan=-np.inf)
-        lead = []
-        if pr_initial is not None and record.get("pr") is not None:
-            pr = np.asarray(record["pr"], dtype=float)
-            rising = (pr >= config.pr_lead_factor * pr_initial) & (sel >= config.pr_lead_min_selectivity)
-            lead = metrics.head_names(np.nan_to_num(rising, nan=False).astype(bool))
 
         def formed(lv: _Lean) -> bool:
             return int((sel >= lv.move(config.formed_min_selectivity, True)).sum()) >= need
 
         def signal(lv: _Lean) -> bool:
-            return bool((sel >= lv.move(config.forming_min_selectivity, True)).any()) or bool(lead)
+            return bool((sel >= lv.move(config.forming_min_selectivity, True)).any())
 
         state = _ordered_state(formed, signal, lean or exact)
         n50 = int((sel >= config.formed_min_selectivity).sum())
         n30 = int((sel >= config.forming_min_selectivity).sum())
-        out.append((state, {"rule": "selectivity", "heads_ge50": n50, "heads_ge30": n30, "pr_lead_heads": lead, "min_heads": need}))
+        out.append((state, {"rule": "selectivity", "heads_ge50": n50, "heads_ge30": n30, "min_heads": need}))
     if config.induction_rule in ("any", "prefix") and "induction_score" in record:
         score = np.nan_to_num(np.asarray(record["induction_score"], dtype=float), nan=-np.inf)
         icl = record.get("icl_score")
@@ -309,27 +329,26 @@ def _ordered_state(formed: Callable[[_Lean], bool], signal: Callable[[_Lean], bo
     return "forming" if signal(lean) else "absent"
 
 
-def classify_induction(record: Mapping[str, Any], config: StageConfig, pr_initial: np.ndarray | None = None) -> tuple[str, dict]:
+def classify_induction(record: Mapping[str, Any], config: StageConfig) -> tuple[str, dict]:
     """Induction state of one record, the evidence, and which rule decided (``evidence['rule']``):
-    the most advanced of the configured rules. ``pr_initial`` (L, H), the PR at the first probe,
-    enables the PR-lead forming signal."""
-    levels = _induction_levels(record, config, pr_initial, None)
+    the most advanced of the configured rules."""
+    levels = _induction_levels(record, config, None)
     if not levels:
         return "absent", {"rule": None, "reason": "no induction statistics"}
     return max(levels, key=lambda r: INDUCTION_STATES.index(r[0]))
 
 
-def induction_holds(record: Mapping[str, Any], stage: str, config: StageConfig, pr_initial: np.ndarray | None = None) -> bool:
+def induction_holds(record: Mapping[str, Any], stage: str, config: StageConfig) -> bool:
     """Whether ``record`` holds ``stage`` or a later one, each rule's thresholds leaning its way."""
-    levels = _induction_levels(record, config, pr_initial, _Lean(config.hold_factor))
+    levels = _induction_levels(record, config, _Lean(config.hold_factor))
     held = max((INDUCTION_STATES.index(s) for s, _ in levels), default=0)
     return held >= INDUCTION_STATES.index(stage)
 
 
-def classify(record: Mapping[str, Any], config: StageConfig, pr_initial: np.ndarray | None = None) -> dict:
+def classify(record: Mapping[str, Any], config: StageConfig) -> dict:
     """The stage rules applied to one record alone: ``p0_stage_now``, ``induction_state_now`` (and
     ``p0_stage_by_anchor`` for windows that start with a BOS)."""
-    out = {"p0_stage_now": classify_p0(record, config)[0], "induction_state_now": classify_induction(record, config, pr_initial)[0]}
+    out = {"p0_stage_now": classify_p0(record, config)[0], "induction_state_now": classify_induction(record, config)[0]}
     by_anchor = p0_stage_by_anchor(record, config)
     if by_anchor is not None:
         out["p0_stage_by_anchor"] = by_anchor
@@ -340,7 +359,8 @@ def classify(record: Mapping[str, Any], config: StageConfig, pr_initial: np.ndar
 @dataclass(frozen=True)
 class StageEvent:
     """A declared transition. ``step``/``tokens``: the probe that confirmed it; ``first_met_*``: the
-    probe where the stage's rule was first met in the run of probes that confirmed it."""
+    probe where the stage's rule was first met in the run of probes that confirmed it; ``evidence``:
+    that probe's numbers (the probe that met the rule, so the evidence never contradicts the event)."""
 
     timeline: str  # "p0" or "induction"
     stage: str
@@ -358,7 +378,8 @@ class StageEvent:
 
     @property
     def level(self) -> str:
-        """W&B alert level: end states and regressions are WARN (worth a look), intermediate ones INFO."""
+        """W&B alert level: the milestones (P0 ``final``, induction ``formed``) and regressions are WARN
+        (worth a look); progress towards them and lateral moves (deep / transitional / shifted) are INFO."""
         return "WARN" if self.stage in (*P0_END_STATES, "formed") or self.regression else "INFO"
 
     @property
@@ -370,7 +391,10 @@ class StageEvent:
         if self.tokens is not None:
             where += f" ({self.tokens:,} tokens)"
         name = "P0-sink circuit" if self.timeline == "p0" else "induction circuit"
-        text = f"{name}: {self.previous} -> {self.stage} at {where}"
+        text = f"{name}: {self.previous} -> {self.stage}"
+        if self.timeline == "p0" and self.stage == "deep" and self.evidence.get("circuit_layer") is None:
+            text += " (no circuit found: an established sink on position 0, but no block amplifies it persistently)"
+        text += f" at {where}"
         if (self.first_met_step, self.first_met_tokens) != (self.step, self.tokens):
             first = f"step {self.first_met_step}" if self.first_met_step is not None else "an earlier probe"
             if self.first_met_tokens is not None:
@@ -397,7 +421,6 @@ class StageTracker:
         self.failing = {t: 0 for t in TIMELINES}
         self.visited: dict[str, list[dict]] = {t: [] for t in TIMELINES}
         self.fired: list[dict] = []
-        self.pr_initial: np.ndarray | None = None
         self.last_step: int | None = None
         self.n_updates = 0
 
@@ -410,13 +433,13 @@ class StageTracker:
         return self.declared["induction"]
 
     def classify(self, record: Mapping[str, Any]) -> tuple[tuple[str, dict], tuple[str, dict]]:
-        """Both timelines' per-record stage and evidence, with this tracker's PR history."""
-        return classify_p0(record, self.config), classify_induction(record, self.config, self.pr_initial)
+        """Both timelines' per-record stage and evidence."""
+        return classify_p0(record, self.config), classify_induction(record, self.config)
 
     def _holds(self, timeline: str, record: Mapping[str, Any], stage: str) -> bool:
         if timeline == "p0":
             return p0_holds(record, stage, self.config)
-        return induction_holds(record, stage, self.config, self.pr_initial)
+        return induction_holds(record, stage, self.config)
 
     @staticmethod
     def _rank(timeline: str, stage: str) -> int:
@@ -424,10 +447,8 @@ class StageTracker:
 
     def update(self, record: dict) -> list[StageEvent]:
         """Consume one record; set its stage keys (declared, ``*_now``, ``stages_visited``); return new events."""
-        if self.pr_initial is None and record.get("pr") is not None:
-            self.pr_initial = np.asarray(record["pr"], dtype=float)
         (p0_now, p0_ev), (ind_now, ind_ev) = self.classify(record)
-        record.update(classify(record, self.config, self.pr_initial))
+        record.update(classify(record, self.config))
         here = {"step": record.get("step"), "tokens": record.get("tokens")}
         events = []
         for timeline, now, evidence in (("p0", p0_now, p0_ev), ("induction", ind_now, ind_ev)):
@@ -475,15 +496,21 @@ class StageTracker:
         opening = [now]
         if timeline == "induction" and rank(timeline, now) > rank(timeline, declared):
             opening = list(INDUCTION_STATES[rank(timeline, declared) + 1 : rank(timeline, now) + 1])
-        for stage in opening:
+        for stage in opening:  # a run keeps the evidence of the probe that met the rule: the event reports it
             if stage != declared and stage not in runs:
-                runs[stage] = {"count": 1, "first_step": here["step"], "first_tokens": here["tokens"]}
+                runs[stage] = {"count": 1, "first_step": here["step"], "first_tokens": here["tokens"], "evidence": jsonable(evidence)}
         self.failing[timeline] = 0 if self._holds(timeline, record, declared) else self.failing[timeline] + 1
         confirmed = [s for s, r in runs.items() if r["count"] >= self.config.patience]
-        up = [s for s in confirmed if rank(timeline, s) > rank(timeline, declared)]
-        # a later stage replaces the declared one as soon as it is confirmed; an earlier (or, on the P0
-        # timeline, another end state) only once the declared stage has failed its hold rule `patience` times
-        pick = up or (confirmed if self.failing[timeline] >= self.config.patience else [])
+        left = self.failing[timeline] >= self.config.patience  # the declared stage failed its hold rule `patience` times in a row
+        # The P0 timeline is a Schmitt trigger both ways: any change, up or down, needs the declared stage left
+        # (its stages are not a line: an established sink can be deep, spread or shifted, and a reading that sits
+        # on a boundary, such as an emergence-block tie, must not promote itself on noise). The induction timeline
+        # is ordered and `absent` has no hold rule: a later state replaces the declared one once it is confirmed,
+        # an earlier one only once the declared state is left.
+        if timeline == "p0":
+            pick = confirmed if left else []
+        else:
+            pick = [s for s in confirmed if rank(timeline, s) > rank(timeline, declared)] or (confirmed if left else [])
         if not pick:
             return None
         new = max(pick, key=lambda s: (rank(timeline, s), runs[s]["first_step"] or 0))
@@ -493,7 +520,7 @@ class StageTracker:
         for stage in list(runs):  # a run of a later stage than the new one stays open
             if rank(timeline, stage) <= rank(timeline, new):
                 del runs[stage]
-        return StageEvent(timeline, new, declared, here["step"], here["tokens"], run["first_step"], run["first_tokens"], jsonable(evidence))
+        return StageEvent(timeline, new, declared, here["step"], here["tokens"], run["first_step"], run["first_tokens"], run["evidence"])
 
     # ---- resume ----
     def state_dict(self) -> dict:
@@ -504,7 +531,6 @@ class StageTracker:
             "failing": dict(self.failing),
             "visited": {t: [dict(v) for v in vs] for t, vs in self.visited.items()},
             "fired": list(self.fired),
-            "pr_initial": None if self.pr_initial is None else self.pr_initial.tolist(),
             "last_step": self.last_step,
             "n_updates": self.n_updates,
         }
@@ -522,7 +548,6 @@ class StageTracker:
         self.failing = dict(state["failing"])
         self.visited = {t: [dict(v) for v in vs] for t, vs in state["visited"].items()}
         self.fired = list(state["fired"])
-        self.pr_initial = None if state["pr_initial"] is None else np.asarray(state["pr_initial"], dtype=float)
         self.last_step = state["last_step"]
         self.n_updates = state["n_updates"]
 

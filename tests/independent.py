@@ -207,7 +207,8 @@ def p0_metrics(resid: np.ndarray, tokens: np.ndarray, emb: np.ndarray | None = N
 def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow: int = 2) -> dict:
     """docs/stages.md's circuit description, re-derived with loops: the emergence block (largest gain
     in log rho, block 0's over the embeddings), its persistence, the concentration within blocks
-    0..shallow-1, the circuit layer; ``consistency`` None: no direction test (the BOS anchor)."""
+    0..shallow-1, the circuit layer; ``consistency`` None: no direction test (the BOS anchor). The emergence
+    block and the concentration only where the largest-gain block amplifies (>= R) and persists (>= P)."""
     L = len(rho)
     logs = [np.log(rho_emb)] + [np.log(r) for r in rho]
     gains = [logs[l + 1] - logs[l] for l in range(L)]
@@ -217,10 +218,11 @@ def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow:
     persistence = sum(later) / len(later) if later else np.nan
     span = logs[top + 1] - logs[0]
     concentration = min(1.0, max(0.0, (max(logs[1 : shallow + 1]) - logs[0]) / span)) if rho[top] > 1 and span > 0 else np.nan
-    ok = rho[e] >= R and persistence >= P and (consistency is None or consistency[e] >= C)
+    amplified = rho[e] >= R and persistence >= P  # else no emergence block, no concentration: nothing is amplified
+    ok = amplified and (consistency is None or consistency[e] >= C)
     return {
-        "rho_max": rho[top], "rho_max_block": top, "p0_emergence_block": e, "p0_persistence": persistence,
-        "p0_concentration": concentration, "circuit_layer": e if ok else None,
+        "rho_max": rho[top], "rho_max_block": top, "p0_emergence_block": e if amplified else None, "p0_persistence": persistence,
+        "p0_concentration": concentration if amplified else np.nan, "circuit_layer": e if ok else None,
     }  # fmt: skip
 
 

@@ -55,14 +55,20 @@ def test_p0_circuit_emergence_persistence_concentration():
     assert M.p0_circuit(rho, 1.0, None, **kw)["circuit_layer"] == 5  # the BOS anchor: no direction test
     # a random stack: block 0 stands out, the next block undoes it
     rnd = M.p0_circuit(np.array([2.2, 1.6, 1.4, 1.3]), 1.0, np.zeros(4), **kw)
-    assert rnd["p0_emergence_block"] == 0 and rnd["p0_persistence"] == 0.0 and rnd["circuit_layer"] is None
+    assert rnd["p0_persistence"] == 0.0 and rnd["circuit_layer"] is None
+    assert rnd["p0_emergence_block"] is None and np.isnan(rnd["p0_concentration"])  # nothing amplified: no block, no share
+    assert rnd["rho_max"] == 2.2 and rnd["rho_max_block"] == 0  # the profile itself is still reported
+    # amplified and persisting but pointing nowhere: the block and the share are reported, no circuit
+    wobbly = M.p0_circuit(rho, 1.0, np.zeros(8), **kw)
+    assert wobbly["p0_emergence_block"] == 5 and wobbly["p0_concentration"] > 0 and wobbly["circuit_layer"] is None
     # gains are measured from the embeddings; nothing above 1: no concentration
     assert M.p0_circuit(np.array([30.0, 30.0]), 1.0, None, **kw)["p0_concentration"] == 1.0
     assert np.isnan(M.p0_circuit(np.array([30.0, 30.0]), 30.0, None, **kw)["p0_concentration"])  # the embeddings were already x30
     flat = M.p0_circuit(np.array([0.9, 0.95]), 1.0, None, **kw)
     assert np.isnan(flat["p0_concentration"]) and flat["circuit_layer"] is None
     last = M.p0_circuit(np.array([1.0, 1.0, 50.0]), 1.0, None, **kw)  # the last block: nothing after it to persist
-    assert last["p0_emergence_block"] == 2 and np.isnan(last["p0_persistence"]) and last["circuit_layer"] is None
+    assert last["p0_emergence_block"] is None and np.isnan(last["p0_persistence"]) and last["circuit_layer"] is None
+    assert np.isnan(last["p0_concentration"])
 
 
 def test_selectivity_columns_and_scores():

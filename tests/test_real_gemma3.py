@@ -129,6 +129,8 @@ def test_gemma3_both_anchors_equal_float64_hooks_and_read_as_the_rules_say(gguf,
     assert views["bos"]["p0_emergence_block"] == 0 and views["bos"]["circuit_layer"] == 0
     assert views["bos"]["p0_mlp_norm_ratio"][0] > 10 > views["bos"]["p0_attn_norm_ratio"][0]
     assert views["position"]["circuit_layer"] is None and views["position"]["sink_rate"] == 0.0
+    # the twin amplifies nothing (rho <= 1.1): no emergence block, no concentration (it read 5-12 and 1.0 before)
+    assert views["position"]["p0_emergence_block"] is None and views["position"]["p0_concentration"] is None
     assert record["p0_anchor"] == "bos" and record["circuit_layer"] == 0
     assert record["p0_stage_by_anchor"] == {"bos": "final", "position": "none"}
     assert record["p0_stage_now"] == "final"

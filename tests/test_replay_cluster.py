@@ -41,9 +41,9 @@ NAMES = [f"step{s}" for s in STEPS]
 PROBES = [InductionProbe(n=8, seq_len=64)]
 PROBE_ARGS = ["--probe", "induction", "--n", "8", "--seq-len", "64", "--no-progress", "--wandb", "disabled"]
 FAST = dict(fetch=FetchConfig(retries=2, backoff_s=0.01, backoff_max_s=0.05))  # the retry policy, minus the waiting
-# The stage rules reduced to the PR-lead signal (selectivity never reaches 1e9x): whether a record's
-# stored induction state is right depends on its PR and on the records before it in step order.
-PR_STAGES = dict(pr_lead_factor=1.0, pr_lead_min_selectivity=0.0, forming_min_selectivity=1e9, formed_min_selectivity=1e9)
+# The stage rules reduced to one signal every record meets (a head at >= 0x; none reaches 1e9x): whether a
+# record's stored induction state is right depends only on the records before it in step order (patience).
+ALWAYS_FORMING = dict(forming_min_selectivity=0.0, formed_min_selectivity=1e9)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def two_rounds(hub, tmp_path_factory):
     """A run of step0 and step200, then one of step100 and step300 added to its plan (--rewrite-manifest), asked
     for the ablation at step300."""
     d = tmp_path_factory.mktemp("two_rounds")
-    cfg = MonitorConfig(stages=StageConfig(patience=2, **PR_STAGES))
+    cfg = MonitorConfig(stages=StageConfig(patience=2, **ALWAYS_FORMING))
     kw = dict(monitor_config=cfg, ablate=True, ablation_revision="step300")
     with patched_endpoint(hub.endpoint):
         first = run(d / "store", d / "cache", revisions=["step0", "step200"], monitor_config=cfg)
@@ -472,11 +472,11 @@ def test_the_paper_protocol_frees_float32_before_the_float16_pr_pass_and_stores_
         return model
 
     monkeypatch.setattr(sinkwatch.replay.measure, "load_model", watched)
-    stages = StageConfig(patience=1, **PR_STAGES)
+    stages = StageConfig(patience=1, **ALWAYS_FORMING)
     rows = run(tmp_path / "store", tmp_path / "cache", revisions=NAMES[:2], protocol="paper", monitor_config=MonitorConfig(stages=stages))
     assert [r["status"] for r in rows] == ["ok", "ok"] and rows[0]["pr_dtype"] == "float16"
     assert loads == [("float32", 0), ("float16", 0), ("float32", 0), ("float16", 0)]
     want = stages_in_step_order(rows, stages)  # independently: the complete records, with the replay's StageConfig
-    assert want[0] == "forming"  # the PR-lead signal: present only once the PR is in the record
+    assert want[0] == "forming"  # stored once the record is complete, float16 PR pass included
     assert [r["induction_state"] for r in rows] == want
     assert [r["induction_state"] for r in merged_records(tmp_path / "store")] == want  # what the report draws
