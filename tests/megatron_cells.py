@@ -1,4 +1,5 @@
-"""Megatron-core cells (tests/test_megatron.py): one torchrun launch on 2 gloo processes, several cells.
+"""Megatron-core cells (tests/test_megatron.py): one torchrun launch on 2 gloo processes (or 4: tensor
+parallelism 2 x data parallelism 2, each replica reading its own rows), several cells.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/megatron_cells.py OUT CELL [CELL ...]
 
