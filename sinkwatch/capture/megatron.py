@@ -36,6 +36,7 @@ from torch import nn
 from .head import ProbeForward
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
+from .tensor_parallel import gather_last_dim
 
 
 def is_megatron_model(obj) -> bool:
@@ -165,18 +166,6 @@ class MegatronTarget(ProbeTarget):
         finally:
             for h in handles:
                 h.remove()
-
-
-def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` concatenated along its last axis over ``group``'s ranks, in rank order (the vocabulary shards of
-    a column-parallel output layer); ``x`` itself when ``group`` is None."""
-    if group is None:
-        return x
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def _core_hook(module, args, kwargs, output):
