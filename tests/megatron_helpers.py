@@ -13,7 +13,8 @@ The workarounds, each replacing one CUDA-only line of megatron-core 0.16.1:
 - ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` unconditionally: the
   patched method is the same computation without that move;
 - core attention's global memory buffer (``("mpu", dtype)``) allocates on CUDA when it grows: it is
-  pre-filled with a CPU tensor as large as any forward here needs;
+  pre-filled with a CPU tensor as large as a training forward needs (a probe's larger forwards grow it on
+  the CPU: ``MegatronTarget._fit_score_buffer``);
 - with fewer key/value groups than tensor-parallel ranks, ``Attention`` gathers the QKV projection with
   ``mappings._gather_along_last_dim``, whose output is allocated on ``torch.cuda.current_device()``: the
   patched function is the same gather into a tensor on the input's device (only that model needs it).
@@ -33,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQ, BATCH = 128, 64, 4  # the models' (padded) vocabulary and context; rows per step and rank
-BUFFER_FLOATS = 1 << 23  # core attention's score buffer: (rows x heads/TP x S x S) of the largest probe forward here
+# core attention's score buffer, sized for training's forwards (rows x heads/TP x S x S): a probe forward's larger
+# micro-batch grows it where it lies (MegatronTarget._fit_score_buffer), as a CPU run of someone else's would need
+BUFFER_FLOATS = BATCH * 4 * SEQ * SEQ
 
 
 def cpu_megatron(tp: int, seed: int = 1234) -> None:
