@@ -103,10 +103,12 @@ def check_layout(module, *, zero3: bool = False, tensor_parallel: TensorParallel
         raise ValueError(
             f"sinkwatch cannot probe a tensor-parallel model live: {len(sliced)} parameters (e.g. {example}) hold only this "
             "rank's slice, so each rank computes only some heads: a probe on rank 0 alone would hang in the row-parallel "
-            "all-reduce, and a probe on every rank would measure its local heads only. Use the adapter that knows the "
-            "tensor-parallel mesh (sinkwatch.megatron, sinkwatch.torchtitan: each rank's heads gathered in global order), "
-            "train with FSDP2/HSDP or DDP (tensor_parallel_size=1, no tp_plan), or save checkpoints and probe them afterwards "
-            "with `sinkwatch replay` / `sinkwatch probe` (a live record at step N equals the probe of the checkpoint saved at step N)."
+            "all-reduce, and a probe on every rank would measure its local heads only. sinkwatch gathers each rank's heads "
+            "where the framework defines the plan (sinkwatch.megatron, sinkwatch.torchtitan), not under a plan applied by "
+            "hand (parallelize_module, tp_plan), whose heads' layout, sequence-parallel residual stream and output sharding "
+            "the strategy does not describe. Train with FSDP2/HSDP or DDP (tensor_parallel_size=1, no tp_plan), or save "
+            "checkpoints and probe them afterwards with `sinkwatch replay` / `sinkwatch probe` (a live record at step N "
+            "equals the probe of the checkpoint saved at step N)."
         )
 
 
