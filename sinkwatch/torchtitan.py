@@ -17,9 +17,9 @@ builds its masks with ``model.get_attention_masks`` as ``post_dataloading_proces
 ``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to ``out_dir``; under FSDP
 parameter mixed precision (``training.mixed_precision_param``, bfloat16 by default) the probe computes in
 that dtype, as training does, and records say ``probe_dtype``. llama3 and qwen3 only (others refused by
-name). Tensor parallelism (without sequence parallelism: ``parallelism.enable_sequence_parallel false``): each
-rank computes its own heads' statistics, gathered in global order (``sinkwatch.distributed.tensor_parallel``);
-pipeline and context parallelism, and sequence parallelism, refused at construction. The options are the ``sinkwatch``
+name). Tensor parallelism, with or without sequence parallelism: each rank computes its own heads' statistics,
+gathered in global order (``sinkwatch.distributed.tensor_parallel``); pipeline and context parallelism refused
+at construction. The options are the ``sinkwatch``
 field of the config (``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock
 ``Trainer.Config``).
 
@@ -103,7 +103,7 @@ class SinkWatchTrainer(Trainer):
             if getattr(pd, f"{kind}_enabled", False):
                 raise ValueError(
                     f"sinkwatch cannot probe torchtitan under {what} parallelism ({why}); train with FSDP2/HSDP and tensor "
-                    "parallelism only, or probe the checkpoints afterwards"
+                    "(and sequence) parallelism only, or probe the checkpoints afterwards"
                 )
         import torch.distributed as dist
 
@@ -115,7 +115,7 @@ class SinkWatchTrainer(Trainer):
         # training does, in the dtype the all-gathers cast to, and its records say so (ProbeLayout)
         self.sinkwatch.setup(
             self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp,
-            tensor_parallel=_tensor_parallel(pd, self.config, dp),
+            tensor_parallel=_tensor_parallel(pd, dp),
         )  # fmt: skip
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
@@ -152,20 +152,14 @@ class SinkWatchTrainer(Trainer):
             self.sinkwatch.load_state_dict(state)
 
 
-def _tensor_parallel(pd, config, dp: int):
+def _tensor_parallel(pd, dp: int):
     """This rank's ``TensorParallel`` from torchtitan's meshes (None without tensor parallelism): its rank in the
-    "tp" mesh, its replica's in the "batch" mesh (the data-parallel ranks that read different rows). Sequence
-    parallelism (``parallelism.enable_sequence_parallel``, on by default) is refused: the residual stream is then
-    split over the positions between the ranks, and the P0 statistics need every position's hidden state."""
+    "tp" mesh, its replica's in the "batch" mesh (the data-parallel ranks that read different rows). Under
+    sequence parallelism (``parallelism.enable_sequence_parallel``, torchtitan's default) the residual stream is a
+    DTensor sharded over the positions: the capture gathers it whole for the P0 statistics (one all-gather of
+    the tensor-parallel group per block output, ``capture.tensor_parallel.whole``)."""
     if not getattr(pd, "tp_enabled", False):
         return None
-    if getattr(config.parallelism, "enable_sequence_parallel", False):
-        raise ValueError(
-            "sinkwatch cannot probe torchtitan under tensor parallelism with sequence parallelism: the residual stream is "
-            "then split over the positions between the tensor-parallel ranks, and position 0's statistics need every "
-            "position. Set --parallelism.enable_sequence_parallel false (each rank then computes its own heads' statistics, "
-            "gathered in global order), or probe the checkpoints afterwards"
-        )
     from .distributed import TensorParallel
 
     tp_mesh = pd.get_mesh("tp")

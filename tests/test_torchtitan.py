@@ -276,10 +276,9 @@ def test_sinkwatch_trainer_train_step_with_torchtitan_stand_ins(tmp_path, traine
     assert records[0]["sink_alpha"] == records[-1]["sink_alpha"]  # the optimizer is a stand-in: same weights, same record
 
 
-def test_sinkwatch_trainer_refuses_pipeline_context_and_sequence_parallelism(tmp_path, trainer_module):
-    """Pipeline and context parallelism are refused with the reason; tensor parallelism only with sequence
-    parallelism on (torchtitan's default), which splits the residual stream over the positions (tensor parallelism
-    without it runs: tests/test_torchtitan_fsdp.py)."""
+def test_sinkwatch_trainer_refuses_pipeline_and_context_parallelism(tmp_path, trainer_module):
+    """Pipeline and context parallelism are refused with the reason (tensor parallelism runs, with and without
+    sequence parallelism: tests/test_torchtitan_fsdp.py)."""
     from sinkwatch.torchtitan import SinkWatchTrainer
 
     trainer, _ = _stand_in_trainer(tmp_path, steps=1, every=1)
@@ -289,11 +288,6 @@ def test_sinkwatch_trainer_refuses_pipeline_context_and_sequence_parallelism(tmp
         with pytest.raises(ValueError, match=why):
             SinkWatchTrainer.sinkwatch_setup(trainer)
         setattr(trainer.parallel_dims, f"{kind}_enabled", False)
-    trainer.parallel_dims.tp_enabled = True
-    assert trainer.config.parallelism.enable_sequence_parallel  # torchtitan's default
-    with pytest.raises(ValueError, match="with sequence parallelism: the residual stream is then split over the positions"):
-        SinkWatchTrainer.sinkwatch_setup(trainer)
-    trainer.parallel_dims.tp_enabled = False
 
 
 def test_module_flag_through_torchtitans_config_manager(capsys, tmp_path):

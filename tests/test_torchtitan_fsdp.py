@@ -33,7 +33,7 @@ import torchtitan_helpers as th  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
 FAMILIES = ["llama3", "qwen3"]
-CELLS = [*FAMILIES, "llama3_bf16", "llama3_tp"]
+CELLS = [*FAMILIES, "llama3_bf16", "llama3_tp", "llama3_tp_nosp"]
 RTOL, ATOL = 1e-5, 1e-6  # float32 noise (parallel_matrix.RTOL/ATOL)
 
 
@@ -130,11 +130,13 @@ def test_torchtitan_fsdp2_bf16_probes_say_the_dtype_they_compute_in(launch):
     assert [r["logged_steps"] for r in results] == [[0, tc.EVERY, tc.STEPS], []]
 
 
-def test_torchtitan_tensor_parallel_records_equal_a_single_process_probe(launch, tmp_path, torchtitan_here):
-    """Tensor parallelism 2 (torchtitan's own plan, without sequence parallelism) is no longer refused: each rank
-    computes its 8 of the 16 heads, and the records at steps 0 and 3 equal a single-process probe of the same
-    weights gathered whole (head by head, in global order); training is the stock Trainer's to the bit."""
-    d, results = cell_results(launch, "llama3_tp")
+@pytest.mark.parametrize("cell", ["llama3_tp", "llama3_tp_nosp"])
+def test_torchtitan_tensor_parallel_records_equal_a_single_process_probe(launch, cell, tmp_path, torchtitan_here):
+    """Tensor parallelism 2 (torchtitan's own plan; with its default sequence parallelism, whose residual stream
+    the capture gathers whole, and without) is no longer refused: each rank computes its 8 of the 16 heads, and
+    the records at steps 0 and 3 equal a single-process probe of the same weights gathered whole (head by head,
+    in global order); training is the stock Trainer's to the bit."""
+    d, results = cell_results(launch, cell)
     records = read_jsonl(d / "sw" / "records.jsonl")
     assert [r["step"] for r in records] == [0, tc.EVERY, tc.STEPS]
     per_step = tc.BATCH * tc.T  # one replica's rows: tensor-parallel peers read the same ones

@@ -48,11 +48,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def stock_config(family: str, *, bf16: bool = False, tp: bool = False):
+def stock_config(family: str, *, bf16: bool = False, tp: bool = False, sp: bool = True):
     """torchtitan's own debug config for ``family``, shrunk: float32 parameters in FSDP's all-gather (so a
     probe can be compared with float32 weights in one process; ``bf16``: its default, bfloat16), a short
-    run of short batches. ``tp``: tensor parallelism over the 2 ranks instead of FSDP (without sequence
-    parallelism, which sinkwatch refuses)."""
+    run of short batches. ``tp``: tensor parallelism over the 2 ranks instead of FSDP, with torchtitan's
+    default sequence parallelism (``sp`` False: without it)."""
     if family == "llama3":
         from torchtitan.models.llama3.config_registry import llama3_debugmodel as debugmodel
     else:
@@ -66,7 +66,7 @@ def stock_config(family: str, *, bf16: bool = False, tp: bool = False):
     config.parallelism.spmd_backend = "partial_dtensor"
     if tp:
         config.parallelism.tensor_parallel_degree, config.parallelism.data_parallel_shard_degree = 2, 1
-        config.parallelism.enable_sequence_parallel = False
+        config.parallelism.enable_sequence_parallel = sp
     return config
 
 
@@ -150,7 +150,7 @@ def train(trainer, vocab_size: int):
 def family_cell(cell: Path, name: str) -> dict:
     """``<family>``: both runs, everything saved; ``<family>_bf16``: FSDP's default bfloat16 parameter mixed
     precision, the SinkWatchTrainer run alone (its records)."""
-    family, bf16, tp = name.removesuffix("_bf16").removesuffix("_tp"), name.endswith("_bf16"), name.endswith("_tp")
+    family, bf16, tp, sp = name.split("_")[0], name.endswith("_bf16"), "_tp" in name, not name.endswith("_nosp")
     import torchtitan.distributed.parallel_dims as pdims
     from torchtitan.distributed import ParallelDims
     from torchtitan.trainer import Trainer
@@ -159,13 +159,13 @@ def family_cell(cell: Path, name: str) -> dict:
 
     pdims.device_type = "cpu"  # torchtitan falls back to "cuda" where no accelerator is found; the mesh here is CPU (gloo)
     th.eager_flex(trainable=True)
-    stock = stock_config(family, bf16=bf16, tp=tp)
+    stock = stock_config(family, bf16=bf16, tp=tp, sp=sp)
     parallel_dims = ParallelDims.from_config(stock.parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     V = stock.model_spec.model.vocab_size
 
     options = {"every_n_steps": EVERY, "out_dir": str(cell / "sw"), "wandb": "disabled", "console": False, "raise_on_error": True}
-    config = sinkwatch_config(stock_config(family, bf16=bf16, tp=tp), **options)
+    config = sinkwatch_config(stock_config(family, bf16=bf16, tp=tp, sp=sp), **options)
     trainer = build_trainer(SinkWatchTrainer, config, parallel_dims, cell)
     initial = full_params(trainer.model_parts[0])
     trainer.sinkwatch_setup()

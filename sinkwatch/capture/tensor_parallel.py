@@ -2,7 +2,8 @@
 
 A tensor-parallel rank's attention sees its own block of query heads: the statistics take them as they
 are (``probe_share.combine`` places them in global order). Everything else a probe reads must be whole on
-the rank: the residual stream (replicated without sequence parallelism: a DTensor's local tensor), the
+the rank: the residual stream (a replicated DTensor's local tensor; under sequence parallelism its position
+shards gathered, one all-gather per block output), the
 last position's logits (the vocabulary shards of a column-parallel output layer, gathered), and every
 position's next-token loss (computed on the vocabulary shards, as a vocabulary-parallel loss does: three
 all-reduces over the group, never every position's whole logits). Each helper is a collective of the

@@ -11,10 +11,11 @@ masks the way training does (``model.get_attention_masks(positions)`` with one d
 plain causal), since FlexAttention needs them, and always ends at the logits (``_skip_lm_head``, which the
 Trainer sets when the loss applies the output layer itself, is off for the probe).
 
-Under tensor parallelism (torchtitan's own plan, without sequence parallelism) q, k and the output arrive as
-DTensors sharded on the heads: their local tensors are this rank's block of heads in global order, handed on
-as they are (``probe_share.combine`` gathers them); the residual stream is a replicated DTensor (its local copy
-is read), and the loss-parallel output's last position is gathered and its losses computed on the vocabulary
+Under tensor parallelism (torchtitan's own plan) q, k and the output arrive as DTensors sharded on the heads:
+their local tensors are this rank's block of heads in global order, handed on as they are
+(``probe_share.combine`` gathers them); the residual stream is a replicated DTensor (its local copy is read) or,
+under sequence parallelism, one sharded over the positions (gathered whole: ``capture.tensor_parallel.whole``),
+and the loss-parallel output's last position is gathered and its losses computed on the vocabulary
 shards (``capture/tensor_parallel.py``).
 
 Models other than llama3 and qwen3 (deepseek_v3's MLA, qwen3_5's gated attention and GatedDeltaNet,
