@@ -115,7 +115,7 @@ class SinkWatchTrainer(Trainer):
         # training does, in the dtype the all-gathers cast to, and its records say so (ProbeLayout)
         self.sinkwatch.setup(
             self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp,
-            tensor_parallel=_tensor_parallel(pd, dp),
+            tensor_parallel=_tensor_parallel(pd, self.config, dp),
         )  # fmt: skip
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
@@ -152,7 +152,7 @@ class SinkWatchTrainer(Trainer):
             self.sinkwatch.load_state_dict(state)
 
 
-def _tensor_parallel(pd, dp: int):
+def _tensor_parallel(pd, config, dp: int):
     """This rank's ``TensorParallel`` from torchtitan's meshes (None without tensor parallelism): its rank in the
     "tp" mesh, its replica's in the "batch" mesh (the data-parallel ranks that read different rows). Under
     sequence parallelism (``parallelism.enable_sequence_parallel``, torchtitan's default) the residual stream is a
@@ -160,6 +160,15 @@ def _tensor_parallel(pd, dp: int):
     the tensor-parallel group per block output, ``capture.tensor_parallel.whole``)."""
     if not getattr(pd, "tp_enabled", False):
         return None
+    backend = getattr(getattr(config, "parallelism", None), "spmd_backend", "partial_dtensor")
+    if backend != "partial_dtensor":
+        raise ValueError(
+            f"sinkwatch probes torchtitan under tensor parallelism with parallelism.spmd_backend='partial_dtensor' only (got "
+            f"{backend!r}): there the model's activations are DTensors whose placements say which heads, positions and "
+            "vocabulary shard a rank holds; under 'spmd_types' they are plain local tensors, and 'full_dtensor' shards them "
+            "over the data-parallel axes too, layouts sinkwatch has not been tested on. Set --parallelism.spmd_backend "
+            "partial_dtensor, or probe the checkpoints afterwards"
+        )
     from .distributed import TensorParallel
 
     tp_mesh = pd.get_mesh("tp")
