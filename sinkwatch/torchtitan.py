@@ -165,7 +165,7 @@ def _tensor_parallel(pd, config, dp: int):
         raise ValueError(
             f"sinkwatch probes torchtitan under tensor parallelism with parallelism.spmd_backend='partial_dtensor' only (got "
             f"{backend!r}): there the model's activations are DTensors whose placements say which heads, positions and "
-            "vocabulary shard a rank holds; under 'spmd_types' they are plain local tensors, and 'full_dtensor' shards them "
+            "vocabulary shard a rank holds; under 'spmd_types' they are plain tensors with SPMD annotations, 'full_dtensor' shards them "
             "over the data-parallel axes too, layouts sinkwatch has not been tested on. Set --parallelism.spmd_backend "
             "partial_dtensor, or probe the checkpoints afterwards"
         )
