@@ -14,6 +14,9 @@ the process group times out too):
   final), the probe sets and the records (``sw/``);
 - ``tp1``: the same model at tensor parallelism 1 (data parallelism 2) from ``tp2``'s final master weights,
   probed once with ``tp2``'s probe sets (``sw/``): the record the tensor-parallel one must equal;
+- ``other2`` / ``other1``: a Llama-like variant (RMSNorm, SwiGLU, QK layer norm, no biases, tied embeddings, query-key
+  layer scaling; 3 layers, 6 heads in 2 groups) trained two steps at tensor parallelism 2 with the monitor at its
+  defaults (probes at 0 and the last step), then its final master weights probed at tensor parallelism 1;
 - ``refusals``: what cannot be probed live, refused at construction with the reason (each error's text);
 - ``gqa1``: tensor parallelism 2 with one key/value group for 4 query heads (fewer groups than ranks:
   Megatron gathers the projection and each rank keeps its query heads), probed at step 0 (``sw/``, the
@@ -115,6 +118,40 @@ def gqa1(cell: Path) -> dict:
     return {"local_heads": model.decoder.layers[0].self_attention.core_attention.num_attention_heads_per_partition}
 
 
+def other2(cell: Path) -> dict:
+    """The Llama-like variant (``megatron_helpers.build_gpt(other=True)``) at tensor parallelism 2: two steps by hand,
+    probed at 0 and 2; its final master weights and probe sets saved for ``other1``."""
+    from megatron.core import parallel_state as ps
+
+    from sinkwatch.megatron import SinkWatchMegatron
+
+    mh.cpu_megatron(tp=2)
+    data = mh.batches(ps.get_data_parallel_rank(), 2)
+    model = mh.build_gpt(other=True)
+    optimizer = _optimizer(model)
+    sw = SinkWatchMegatron(model, max_steps=2, out_dir=str(cell / "sw"), **OPTIONS)
+    for it in range(2):
+        sw.read(data[it][:, :-1])
+        mh.train_step(model, optimizer, data[it], ps.get_data_parallel_group())
+        sw.step(it + 1)
+    _save(mh.master_weights(model), cell / "final.pt")
+    _save(sw.live.monitor.probe_sets(mh.VOCAB), cell / "sets.pt")
+    return {}
+
+
+def other1(cell: Path) -> dict:
+    from sinkwatch.megatron import SinkWatchMegatron
+
+    mh.cpu_megatron(tp=1)
+    model = mh.build_gpt(other=True, seed=99)
+    source = cell.parent / "other2"
+    mh.load_master(model, torch.load(source / "final.pt", weights_only=True))
+    sets = torch.load(source / "sets.pt", weights_only=False)
+    sw = SinkWatchMegatron(model, max_steps=2, probes=sets, probe_at_start=False, every_n_steps=None, out_dir=str(cell / "sw"), **OPTIONS)
+    sw.step(2)
+    return {}
+
+
 def refusals(cell: Path) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -148,7 +185,7 @@ def refusals(cell: Path) -> dict:
     return {"errors": errors}
 
 
-CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, refusals)}
+CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, other2, other1, refusals)}
 
 
 def main() -> None:

@@ -84,19 +84,31 @@ def _get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
-def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB):
-    """A Megatron ``GPTModel`` (local spec, RoPE, biases, an output layer of its own: Megatron's defaults) from ``seed``."""
+def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB, other=False):
+    """A Megatron ``GPTModel`` (local spec, RoPE, biases, an output layer of its own: Megatron's defaults) from ``seed``.
+    ``other``: a Llama-like variant (RMSNorm, SwiGLU, QK layer norm, no biases, tied embeddings,
+    ``apply_query_key_layer_scaling``) of 3 layers, 6 query heads in 2 groups, width 96."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    extra: dict = {}
+    if other:
+        layers, hidden, heads, groups = 3, 96, 6, 2
+        extra = {
+            "normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": torch.nn.functional.silu, "add_bias_linear": False,
+            "apply_query_key_layer_scaling": True, "ffn_hidden_size": 160, "qk_layernorm": True,
+        }  # fmt: skip
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         use_cpu_initialization=True,  # workaround: weights made on the CPU
-        attention_dropout=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, hidden_dropout=0.0, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=SEQ, position_embedding_type="rope")
+    spec = get_gpt_layer_local_spec(qk_layernorm=other, normalization="RMSNorm" if other else None)
+    return GPTModel(
+        config, spec, vocab_size=vocab, max_sequence_length=SEQ, position_embedding_type="rope", share_embeddings_and_output_weights=other
+    )
 
 
 def causal_mask(S: int) -> torch.Tensor:
@@ -106,12 +118,22 @@ def causal_mask(S: int) -> torch.Tensor:
 
 def train_step(model, optimizer, tokens: torch.Tensor, dp_group=None) -> float:
     """One optimizer step on ``tokens`` (B, S+1): forward with labels (the vocab-parallel loss), backward,
-    the gradients averaged over the data-parallel group, the optimizer step. Returns the loss."""
+    the QK norms' gradients summed over the tensor-parallel group and every gradient averaged over the
+    data-parallel group (what Megatron's ``finalize_model_grads`` does here), the optimizer step. Returns the loss."""
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     B, S = ids.shape
     losses = model(ids, torch.arange(S).expand(B, S), causal_mask(S), labels=labels)  # (B, S)
     loss = losses.float().mean()
     loss.backward()
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    if model.config.qk_layernorm and dist.get_world_size(tp_group) > 1:
+        # as Megatron's finalize_model_grads (_allreduce_non_tensor_model_parallel_grads): the QK norms are replicated,
+        # and each tensor-parallel rank's gradient holds its own heads' part: summed over the group
+        for name, p in model.named_parameters():
+            if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=tp_group)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         for p in model.parameters():
             if p.grad is not None:
@@ -140,9 +162,18 @@ def master_weights(model) -> dict[str, torch.Tensor]:
         if size > 1 and getattr(p, "tensor_model_parallel", False):
             parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t, group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
+            if _glu(model, name):  # each rank holds [its gate rows; its up rows]: the whole is [every gate; every up]
+                halves = [part.chunk(2, dim=0) for part in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                t = torch.cat(parts, dim=p.partition_dim)
         out[name] = t.clone()
     return out
+
+
+def _glu(model, name: str) -> bool:
+    """A gated MLP's first projection (SwiGLU): Megatron splits its gate and its up rows over the ranks separately."""
+    return bool(model.config.gated_linear_unit) and "linear_fc1" in name
 
 
 def load_master(model, weights: dict[str, torch.Tensor]) -> None:
@@ -154,7 +185,11 @@ def load_master(model, weights: dict[str, torch.Tensor]) -> None:
         for name, p in model.named_parameters():
             w = weights[name]
             if size > 1 and getattr(p, "tensor_model_parallel", False):
-                w = w.chunk(size, dim=p.partition_dim)[rank]
+                if _glu(model, name):
+                    gate, up = w.chunk(2, dim=0)
+                    w = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+                else:
+                    w = w.chunk(size, dim=p.partition_dim)[rank]
             p.copy_(w)
 
 

@@ -36,7 +36,7 @@ import megatron_cells as mc  # noqa: E402
 import megatron_helpers as mh  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 180
-CELLS = ["tp2", "tp1", "gqa1", "refusals"]
+CELLS = ["tp2", "tp1", "gqa1", "other2", "other1", "refusals"]
 CELLS_4 = ["tp2", "tp1"]  # 4 processes: tensor parallelism 2 x data parallelism 2 (and tp1: data parallelism 4)
 RTOL, ATOL = 1e-5, 1e-6  # float32 noise: the same weights, reductions ordered differently over the ranks
 
@@ -111,14 +111,32 @@ def test_megatron_tp2_record_equals_tp1(either):
     (tp1,) = read_jsonl(d1 / "sw" / "records.jsonl")
     assert tp2["step"] == tp1["step"] == mc.STEPS and "tensor_parallel" not in tp1
     assert tp1["probe_split"]["ranks"] == either[3]
+    assert_same_numbers(tp2, tp1)
+
+
+def assert_same_numbers(got: dict, want: dict) -> None:
+    """Two records of the same weights: every value that describes them equal within float32 noise."""
     import parallel_matrix as pm
 
-    got, want = mh.numbers(tp2), mh.numbers(tp1)
+    got, want = mh.numbers(got), mh.numbers(want)
     assert set(got) == set(want)
     for key, value in want.items():
         if key in pm.TRACKED:  # the run's history (stages visited since its first probe), not these weights
             continue
         pm._assert_value_equal(got[key], value, key, rtol=RTOL, atol=ATOL)
+
+
+def test_megatron_other_model_tp2_equals_tp1(launch):
+    """A Llama-like Megatron model (RMSNorm, SwiGLU, QK layer norm, no biases, tied embeddings, query-key layer
+    scaling; 3 layers, 6 heads in 2 groups) trained two steps at tensor parallelism 2 with the adapter at its
+    defaults: probes at 0 and at the last step, the last equal to the same weights' record at tensor parallelism 1."""
+    d2, _ = cell(launch, "other2")
+    d1, _ = cell(launch, "other1")
+    records = read_jsonl(d2 / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, 2] and all("error" not in r for r in records)
+    assert {r["n_heads"] for r in records} == {6} and {r["n_layers"] for r in records} == {3}
+    (tp1,) = read_jsonl(d1 / "sw" / "records.jsonl")
+    assert_same_numbers(records[-1], tp1)
 
 
 def test_megatron_fewer_kv_groups_than_tp_ranks(launch):
