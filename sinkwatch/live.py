@@ -141,7 +141,7 @@ class LiveMonitor:
         compute_dtype: torch.dtype | None = None,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
-        """At fit start. Resolves the model and refuses a layout no rank can probe (tensor parallelism;
+        """At fit start. Resolves the model and refuses a layout no rank can probe (tensor parallelism no adapter described;
         DeepSpeed ZeRO-3: ``zero3`` when the framework's config says stage 3) — a clear error now, never
         mid-run —, decides how this rank probes (``ProbeLayout``: rank 0, or every rank together when the
         parameters are sharded or the probe split) and picks reporters on the logging rank.
