@@ -135,6 +135,17 @@ else
     benchmarks/gpu_torchtitan_check.py --out "$tt_out"
 fi
 
+# 5d. (at most 60 s): Megatron-core with Transformer Engine's attention (TEDotProductAttention, CUDA only): the record of
+#     a GPTModel whose core attention is TE's equals the same weights' with the local attention. Only where
+#     megatron-core and transformer_engine import (the image may lack them: carried as wheels, or skipped saying so)
+if ! mg_why=$(python3 benchmarks/gpu_megatron_check.py --requirements 2>&1); then
+  echo "Megatron TE attention check skipped: ${mg_why}" | tee "$OUT/gpu_megatron.txt"
+else
+  mg_out=$(mktemp -d)
+  stage gpu_megatron.txt 60 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    benchmarks/gpu_megatron_check.py --out "$mg_out"
+fi
+
 # 6. the interpreter's small cases, compiled this time (many autotune compiles: last, and bounded)
 stage gpu_small_cases.txt 90 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels_triton.py -m "not gpu"
 exit "$status"

@@ -31,7 +31,8 @@ under FSDP2 (``ModelParallelStrategy`` with ``data_parallel_size`` only: the pro
 all-gather the shards), each its share too (``sinkwatch.probe_share``). The capture is
 chosen by the model: LitGPT ``GPT`` through its attention method, transformers models through
 ``AttentionInterface``, ``sinkwatch.attend`` / ``sinkwatch_target()`` otherwise. Refused at setup with
-a clear error: DeepSpeed (its engine owns the parameters), tensor parallelism, Fabric's ``FSDPStrategy``
+a clear error: DeepSpeed (its engine owns the parameters), tensor parallelism (its plan is the user's
+parallelize function's, which the strategy does not describe: docs/live.md, "Layouts"), Fabric's ``FSDPStrategy``
 of a LitGPT model is untested (it needs CUDA), explicit probes longer than the model's
 ``max_seq_length``. A KV-cache training forward (LitGPT ``input_pos``) is not read as a training batch.
 
@@ -318,7 +319,11 @@ def _refuse_strategy(strategy) -> None:
     if isinstance(tp, int) and tp > 1:
         raise ValueError(
             f"sinkwatch cannot probe a tensor-parallel model live (ModelParallelStrategy tensor_parallel_size={tp}): each rank holds "
-            "only some heads. Use tensor_parallel_size=1 (FSDP2 over every rank), or probe the checkpoints afterwards"
+            "only some heads, and where they sit at the attention call, whether the residual stream is split over the positions "
+            "(a sequence-parallel plan) and how the output layer is sharded are what your parallelize function chose, which "
+            "the strategy does not say (sinkwatch gathers each rank's heads where the framework defines the plan: "
+            "sinkwatch.megatron, sinkwatch.torchtitan). Use tensor_parallel_size=1 (FSDP2 over every rank), or probe the "
+            "checkpoints afterwards"
         )
 
 

@@ -21,6 +21,7 @@ from .distributed import (
     ProbeGroup,
     ProbeLayout,
     RankFacts,
+    TensorParallel,
     check_layout,
     describe,
     dtype_name,
@@ -138,8 +139,9 @@ class LiveMonitor:
         wandb_run=None,
         zero3: bool = False,
         compute_dtype: torch.dtype | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
-        """At fit start. Resolves the model and refuses a layout no rank can probe (tensor parallelism;
+        """At fit start. Resolves the model and refuses a layout no rank can probe (tensor parallelism no adapter described;
         DeepSpeed ZeRO-3: ``zero3`` when the framework's config says stage 3) — a clear error now, never
         mid-run —, decides how this rank probes (``ProbeLayout``: rank 0, or every rank together when the
         parameters are sharded or the probe split) and picks reporters on the logging rank.
@@ -147,14 +149,23 @@ class LiveMonitor:
         ``model``: what is probed (the bare module under DDP, never the DDP wrapper, which would hang).
         ``wrapped``: the model as the training strategy wraps it, where FSDP shards show (Lightning's
         ``trainer.strategy.model``); None: ``model`` itself. ``compute_dtype``: the trainer's autocast
-        dtype under mixed precision (``ProbeLayout.of``); records say ``probe_dtype``."""
+        dtype under mixed precision (``ProbeLayout.of``); records say ``probe_dtype``. ``tensor_parallel``:
+        this rank's place under tensor parallelism (the adapter reads it off the framework's mesh): every
+        rank computes its own heads, the probe split over the data-parallel replicas
+        (``sinkwatch.distributed.tensor_parallel``); ``world_size`` is then ``tensor_parallel.dp_size``."""
         cfg = self.config
         self.target = resolve_target(model)
         outer = wrapped if wrapped is not None else model
-        check_layout(outer, zero3=zero3)
+        check_layout(outer, zero3=zero3, tensor_parallel=tensor_parallel)
+        if tensor_parallel is not None and not cfg.split_probe and tensor_parallel.dp_size > 1:
+            raise ValueError(
+                "sinkwatch: split_probe=False cannot apply under tensor parallelism: the ranks of every tensor-parallel group "
+                "must run each probe forward together (its all-reduces), so every data-parallel replica probes its share; "
+                "leave split_probe at True"
+            )
         self.layout = ProbeLayout.of(
             self.target.module, outer, is_global_zero=is_global_zero, world_size=world_size, split=cfg.split_probe,
-            compute_dtype=compute_dtype,
+            compute_dtype=compute_dtype, tp=tensor_parallel,
         )  # fmt: skip
         self.group = ProbeGroup.for_rank(self.layout.facts, prefer=self.target.device, fault_timeout_s=float(cfg.fault_timeout_s))
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
@@ -331,7 +342,7 @@ class LiveMonitor:
             fault_point("memory", step)
             check_probe_memory(
                 self.target, self.monitor.probe_sets(self.target.vocab_size), self.monitor.config.batch_tokens,
-                ranks=self.group.size if self.rank.split else 1, dtype=self.layout.dtype, outer=self.layout.outer,
+                ranks=self._shares(), dtype=self.layout.dtype, outer=self.layout.outer,
             )  # fmt: skip
             return self.config_hash
 
@@ -370,6 +381,12 @@ class LiveMonitor:
                     self.config.on_event(ev)
                 except Exception as exc:  # noqa: BLE001
                     self._warn("hook", f"sinkwatch: the on_event hook raised {type(exc).__name__}: {exc}; ignored")
+
+    def _shares(self) -> int:
+        """How many shares each probe's sequences are split into (data-parallel replicas under tensor parallelism)."""
+        if not self.rank.split:
+            return 1
+        return self.rank.tp.dp_size if self.rank.tp is not None else self.group.size
 
     def _probe_failed(self, step: int, outcome, *, retrying: bool) -> None:
         """Every rank of the group saw the same failed verdict: one error line (rank 0), one warning per

@@ -1,4 +1,4 @@
-"""The options of the live callbacks (Lightning, HF Trainer, Fabric, OLMo-core, torchtitan): one
+"""The options of the live callbacks (Lightning, HF Trainer, Fabric, OLMo-core, torchtitan, Megatron-core): one
 typed, keyword-only, validated dataclass, shared by every adapter (docs/live.md, "Options")."""
 
 from __future__ import annotations

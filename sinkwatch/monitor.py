@@ -176,6 +176,8 @@ class Monitor:
             values.update(self._p0_anchor(natural, fed, outs[-1] if twin is not None else None))
         if share is not None:
             values["probe_split"] = {"ranks": share.size, "sequences": {s.kind: s.n for s in sets}}
+            if share.heads[1] > 1:
+                values["tensor_parallel"] = share.heads[1]  # the heads were computed on that many ranks, gathered in global order
         values["probe_seconds"] = time.perf_counter() - t0
         values["protocol"] = self.config.protocol  # which precision/PR choices made these numbers (docs/design.md §8)
         values["stats_backend"] = resolve_backend(self.config.backend, target.device)  # provenance
@@ -279,7 +281,7 @@ class Monitor:
             n = runs[0].probe.n
             start, stop = share.bounds(n)
             source = runs if stop > start else padding  # padding: the same runs, built alike
-            flat.extend((run.state(), run.SUMS, n, (start, stop), stop > start) for run in source)
+            flat.extend((run.state(), run.SUMS, n, (start, stop), stop > start, run.HEADS) for run in source)
         combined = iter(combine(flat, share))
         return [[next(combined) for _ in runs] for runs, *_ in forwarded]
 
@@ -367,6 +369,9 @@ class _ProbeRun:
 
     token_losses = False  # whether the forward must return every position's next-token loss
     SUMS: tuple[str, ...] = ()
+    # name -> the axis of the query heads, for the arrays that have one: under tensor parallelism each rank
+    # computes its own heads' and ``probe_share.combine`` assembles the heads in their global order
+    HEADS: dict[str, int] = {}
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         self.probe, self.config = probe, config
@@ -387,6 +392,8 @@ class _SinkRun(_ProbeRun):
     """Sink and position-0 keys (``sink_*``, ``p0_*``, ``circuit_layer``), on the set that carries them;
     with them the learned sinks' importance (``sink_learned_*``) and gated attention's mean gates
     (``attn_gate_mean``), which describe the same rows."""
+
+    HEADS = {"alpha": 2, "learned": 2, "gates": 2}
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
@@ -427,6 +434,7 @@ class _InductionRun(_ProbeRun):
     """Selectivity at the query row, head classes, PR, and the target's loss / top-k (docs/design.md §5)."""
 
     SUMS = ("gram", "total", "count")  # PR's sufficient statistics: per-head Gram matrices M^T M, column sums, rows
+    HEADS = {"gathered": 2, "entropy": 2, "gram": 1, "total": 1}
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)
@@ -479,6 +487,7 @@ class _RepeatedRun(_ProbeRun):
     # the copy losses need every position's loss: taken from the final hidden states through the
     # output head in row chunks (capture/head.py), never from all-position logits (docs/design.md §9)
     token_losses = True
+    HEADS = {"gathered": 2}
 
     def __init__(self, probe: ProbeSet, n_layers: int, config: MonitorConfig):
         super().__init__(probe, n_layers, config)

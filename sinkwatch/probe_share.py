@@ -18,6 +18,15 @@ probe set's sequences:
   spectra and thresholds are then taken from the values themselves, never from per-rank results);
 - the metrics are then computed from those arrays on every rank, as in one process.
 
+Under tensor parallelism (docs/design.md §9, "Tensor parallelism") the ranks of one tensor-parallel group
+run the same sequences (their data-parallel replica's share) and each holds only its block of every layer's
+query heads (``heads``: rank t of T holds heads [t·H/T, (t+1)·H/T) in global order). Each rank computes its
+own heads' statistics with the same kernels; an array with a head axis (a run's ``HEADS``) is placed at this
+rank's block of that axis, zero elsewhere, and what every tensor-parallel rank computes alike (the residual
+stream's P0 statistics, the losses of the vocab-parallel head, the row count) only by tensor-parallel rank 0.
+The same one all-reduce, over every rank, then assembles the whole record: one gather of the heads over
+the tensor-parallel group and the sum over the data-parallel shares at once, exact for the same reason.
+
 ``ProbeShare`` is framework-free: the live layer hands it the all-reduce of its process group.
 """
 
@@ -32,15 +41,21 @@ import torch
 
 @dataclass(frozen=True)
 class ProbeShare:
-    """This rank's share: ``rank`` of ``size`` ranks; ``all_reduce`` sums a tensor in place over them."""
+    """This rank's share: ``rank`` of ``size`` data-parallel shares; ``all_reduce`` sums a tensor in place
+    over every rank that probes (all shares, and every tensor-parallel rank of each). ``heads``: this
+    rank's (tensor-parallel rank, size): the block of query heads it holds (``(0, 1)``: every head)."""
 
     rank: int
     size: int
     all_reduce: Callable[[torch.Tensor], None]
+    heads: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int) and 0 <= self.rank < self.size):
             raise ValueError(f"a probe share needs 0 <= rank < size, got rank {self.rank!r} of {self.size!r}")
+        t, tp = self.heads
+        if not (isinstance(tp, int) and tp >= 1 and isinstance(t, int) and 0 <= t < tp):
+            raise ValueError(f"a probe share's heads need 0 <= tensor-parallel rank < size, got {self.heads!r}")
 
     def bounds(self, n: int) -> tuple[int, int]:
         """The [start, stop) of this rank's sequences among ``n``."""
@@ -51,6 +66,10 @@ class ProbeShare:
     def forwards(self, n: int, micro: int) -> int:
         """The forwards every rank runs for ``n`` sequences at ``micro`` per forward (the same on each)."""
         return _ceil_div(_ceil_div(n, self.size), micro)
+
+
+def _head_axes(entry: tuple) -> dict[str, int]:
+    return entry[5] if len(entry) > 5 and entry[5] else {}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -74,31 +93,42 @@ def micro_batches(n: int, micro: int, share: ProbeShare | None) -> Iterator[tupl
 State = dict[str, "np.ndarray | None"]
 
 
-def combine(states: list[tuple[State, tuple[str, ...], int, tuple[int, int], bool]], share: ProbeShare) -> list[State]:
+def combine(states: list[tuple], share: ProbeShare) -> list[State]:
     """The whole probe's arrays on every rank from each rank's share, with one all-reduce.
 
-    ``states``: per run, (its state, its sum names, the probe set's N, this rank's [start, stop), and
-    whether the state holds real sequences — False: a template from padding forwards, giving the
-    layout only). Every rank must pass the same runs in the same order, arrays of the same trailing
-    shapes and dtypes (the same model and probe sets); the layout is derived from them alone."""
+    ``states``: per run, (its state, its sum names, the probe set's N, this rank's [start, stop), whether
+    the state holds real sequences — False: a template from padding forwards, giving the layout only —
+    and optionally its head axes, name -> axis of the query heads). Every rank must pass the same runs
+    in the same order, arrays of the same trailing shapes and dtypes (the same model and probe sets);
+    the layout is derived from them alone (a head axis holds this rank's heads: the whole is ``heads[1]``
+    times as long)."""
+    t, tp = share.heads
     layout = []  # (run, name, full shape, dtype, offset)
     offset = 0
-    for i, (state, sums, n, _, _) in enumerate(states):
+    for i, (state, sums, n, *_rest) in enumerate(states):
+        axes = _head_axes(states[i])
         for name in sorted(state):
             arr = state[name]
             if arr is None:
                 continue
             arr = np.asarray(arr)
-            shape = arr.shape if name in sums else (n, *arr.shape[1:])
-            layout.append((i, name, shape, arr.dtype, offset))
+            shape = list(arr.shape if name in sums else (n, *arr.shape[1:]))
+            if name in axes:
+                shape[axes[name]] *= tp
+            layout.append((i, name, tuple(shape), arr.dtype, offset))
             offset += int(np.prod(shape))
     flat = np.zeros(offset, dtype=np.float64)
     for i, name, shape, _, at in layout:
-        state, sums, _, (start, stop), real = states[i]
-        if not real:
-            continue
+        state, sums, _, (start, stop), real, *_rest = states[i]
+        axes = _head_axes(states[i])
+        if not real or (t > 0 and name not in axes):
+            continue  # replicated over the tensor-parallel group: tensor-parallel rank 0's alone
         arr = np.asarray(state[name], dtype=np.float64)
         full = flat[at : at + int(np.prod(shape))].reshape(shape)
+        if name in axes:  # this rank's block of heads
+            axis = axes[name]
+            h = arr.shape[axis]
+            full = full[(slice(None),) * axis + (slice(t * h, (t + 1) * h),)]
         if name in sums:
             full[...] = arr
         else:

@@ -17,7 +17,9 @@ builds its masks with ``model.get_attention_masks`` as ``post_dataloading_proces
 ``metrics_processor.logger`` (``sinkwatch/...`` at the probed step), records to ``out_dir``; under FSDP
 parameter mixed precision (``training.mixed_precision_param``, bfloat16 by default) the probe computes in
 that dtype, as training does, and records say ``probe_dtype``. llama3 and qwen3 only (others refused by
-name); pipeline, context and tensor parallelism refused at construction. The options are the ``sinkwatch``
+name). Tensor parallelism, with or without sequence parallelism: each rank computes its own heads' statistics,
+gathered in global order (``sinkwatch.distributed.tensor_parallel``); pipeline and context parallelism refused
+at construction. The options are the ``sinkwatch``
 field of the config (``SinkWatchTrainer.Config``; ``sinkwatch_config(stock)`` wraps a stock
 ``Trainer.Config``).
 
@@ -94,11 +96,14 @@ class SinkWatchTrainer(Trainer):
         """Refusals, then the live monitor on ``model_parts[0]``; ``live_config`` (programmatic use: probe
         sets, hooks, reporters) replaces the config's ``sinkwatch`` options."""
         pd = self.parallel_dims
-        for kind, what in (("pp", "pipeline"), ("cp", "context"), ("tp", "tensor")):
+        for kind, what, why in (
+            ("pp", "pipeline", "a rank does not hold every layer (design: docs/design.md §9)"),
+            ("cp", "context", "a rank holds a slice of the positions, and a head's attention row spans them all"),
+        ):
             if getattr(pd, f"{kind}_enabled", False):
                 raise ValueError(
-                    f"sinkwatch cannot probe torchtitan under {what} parallelism yet (a rank does not hold every layer, every "
-                    "position or every head); train with FSDP2/HSDP only, or probe the checkpoints afterwards"
+                    f"sinkwatch cannot probe torchtitan under {what} parallelism ({why}); train with FSDP2/HSDP and tensor "
+                    "(and sequence) parallelism only, or probe the checkpoints afterwards"
                 )
         import torch.distributed as dist
 
@@ -108,7 +113,10 @@ class SinkWatchTrainer(Trainer):
         dp = max(1, int(getattr(pd, "dp_replicate", 1) or 1)) * max(1, int(getattr(pd, "dp_shard", 1) or 1))
         # under fully_shard's MixedPrecisionPolicy (training.mixed_precision_param, bf16 by default) the probe computes as
         # training does, in the dtype the all-gathers cast to, and its records say so (ProbeLayout)
-        self.sinkwatch.setup(self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp)
+        self.sinkwatch.setup(
+            self.model_parts[0], is_global_zero=rank0, max_steps=self.config.training.steps, world_size=dp,
+            tensor_parallel=_tensor_parallel(pd, self.config, dp),
+        )  # fmt: skip
         if rank0:
             self.sinkwatch.add_reporter(MetricsLoggerReporter(self.metrics_processor))
         self._sinkwatch_start = True  # the first batch of a fresh run probes the initial model
@@ -142,6 +150,30 @@ class SinkWatchTrainer(Trainer):
         state = _broadcast(state)
         if state is not None:
             self.sinkwatch.load_state_dict(state)
+
+
+def _tensor_parallel(pd, config, dp: int):
+    """This rank's ``TensorParallel`` from torchtitan's meshes (None without tensor parallelism): its rank in the
+    "tp" mesh, its replica's in the "batch" mesh (the data-parallel ranks that read different rows). Under
+    sequence parallelism (``parallelism.enable_sequence_parallel``, torchtitan's default) the residual stream is a
+    DTensor sharded over the positions: the capture gathers it whole for the P0 statistics (one all-gather of
+    the tensor-parallel group per block output, ``capture.tensor_parallel.whole``)."""
+    if not getattr(pd, "tp_enabled", False):
+        return None
+    backend = getattr(getattr(config, "parallelism", None), "spmd_backend", "partial_dtensor")
+    if backend != "partial_dtensor":
+        raise ValueError(
+            f"sinkwatch probes torchtitan under tensor parallelism with parallelism.spmd_backend='partial_dtensor' only (got "
+            f"{backend!r}): there the model's activations are DTensors whose placements say which heads, positions and "
+            "vocabulary shard a rank holds; under 'spmd_types' they are plain tensors with SPMD annotations, 'full_dtensor' shards them "
+            "over the data-parallel axes too, layouts sinkwatch has not been tested on. Set --parallelism.spmd_backend "
+            "partial_dtensor, or probe the checkpoints afterwards"
+        )
+    from .distributed import TensorParallel
+
+    tp_mesh = pd.get_mesh("tp")
+    batch = pd.get_optional_mesh("batch")
+    return TensorParallel(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), batch.get_local_rank() if batch else 0, dp)
 
 
 def sinkwatch_config(stock: Trainer.Config, **options: Any) -> SinkWatchTrainer.Config:

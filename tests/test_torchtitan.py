@@ -276,15 +276,25 @@ def test_sinkwatch_trainer_train_step_with_torchtitan_stand_ins(tmp_path, traine
     assert records[0]["sink_alpha"] == records[-1]["sink_alpha"]  # the optimizer is a stand-in: same weights, same record
 
 
-def test_sinkwatch_trainer_refuses_pipeline_context_and_tensor_parallelism(tmp_path, trainer_module):
+def test_sinkwatch_trainer_refuses_pipeline_and_context_parallelism(tmp_path, trainer_module):
+    """Pipeline and context parallelism are refused with the reason (tensor parallelism runs, with and without
+    sequence parallelism: tests/test_torchtitan_fsdp.py), and tensor parallelism outside the partial_dtensor backend."""
     from sinkwatch.torchtitan import SinkWatchTrainer
 
     trainer, _ = _stand_in_trainer(tmp_path, steps=1, every=1)
-    for kind in ("pp", "cp", "tp"):
+    refusals = (("pp", "pipeline parallelism .a rank does not hold every layer"), ("cp", "context parallelism .a rank holds a slice"))
+    for kind, why in refusals:
         setattr(trainer.parallel_dims, f"{kind}_enabled", True)
-        with pytest.raises(ValueError, match="parallelism"):
+        with pytest.raises(ValueError, match=why):
             SinkWatchTrainer.sinkwatch_setup(trainer)
         setattr(trainer.parallel_dims, f"{kind}_enabled", False)
+    # tensor parallelism on the spmd_types backend (torchtitan's default; it cannot build a model on CPU with torch 2.13):
+    # plain local tensors whose layout sinkwatch cannot read
+    trainer.parallel_dims.tp_enabled = True
+    trainer.config.parallelism.spmd_backend = "spmd_types"
+    with pytest.raises(ValueError, match="spmd_backend='partial_dtensor' only"):
+        SinkWatchTrainer.sinkwatch_setup(trainer)
+    trainer.parallel_dims.tp_enabled = False
 
 
 def test_module_flag_through_torchtitans_config_manager(capsys, tmp_path):

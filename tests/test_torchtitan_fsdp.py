@@ -33,7 +33,7 @@ import torchtitan_helpers as th  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 240
 FAMILIES = ["llama3", "qwen3"]
-CELLS = [*FAMILIES, "llama3_bf16"]
+CELLS = [*FAMILIES, "llama3_bf16", "llama3_tp", "llama3_tp_nosp"]
 RTOL, ATOL = 1e-5, 1e-6  # float32 noise (parallel_matrix.RTOL/ATOL)
 
 
@@ -128,6 +128,30 @@ def test_torchtitan_fsdp2_bf16_probes_say_the_dtype_they_compute_in(launch):
     assert [r["step"] for r in records] == [0, tc.EVERY, tc.STEPS] and all("error" not in r for r in records)
     assert {r["probe_dtype"] for r in records} == {"bfloat16"}
     assert [r["logged_steps"] for r in results] == [[0, tc.EVERY, tc.STEPS], []]
+
+
+@pytest.mark.parametrize("cell", ["llama3_tp", "llama3_tp_nosp"])
+def test_torchtitan_tensor_parallel_records_equal_a_single_process_probe(launch, cell, tmp_path, torchtitan_here):
+    """Tensor parallelism 2 (torchtitan's own plan; with its default sequence parallelism, whose residual stream
+    the capture gathers whole, and without) is no longer refused: each rank computes its 8 of the 16 heads, and
+    the records at steps 0 and 3 equal a single-process probe of the same weights gathered whole (head by head,
+    in global order); training is the stock Trainer's to the bit."""
+    d, results = cell_results(launch, cell)
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    assert [r["step"] for r in records] == [0, tc.EVERY, tc.STEPS]
+    per_step = tc.BATCH * tc.T  # one replica's rows: tensor-parallel peers read the same ones
+    assert [r["tokens"] for r in records] == [0, tc.EVERY * per_step, tc.STEPS * per_step]
+    assert {r["tensor_parallel"] for r in records} == {2} and {r["n_heads"] for r in records} == {16}
+    assert [r["same_as_stock"] for r in results] == [True, True]
+    first = [torch.load(d / f"first-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(first[0], first[1])
+    initial = torch.load(d / "initial.pt", weights_only=True)
+    final = torch.load(d / "final.pt", weights_only=True)
+    for got, weights, name in ((records[0], initial, "initial"), (records[-1], final, "final")):
+        want = single_process_record("llama3", weights, first[0], tmp_path / name)
+        got = {k: v for k, v in got.items() if k not in ("tensor_parallel", "probe_split")}
+        want = {k: v for k, v in want.items() if k != "probe_split"}
+        pm.assert_records_equal(got, want, rtol=RTOL, atol=ATOL)
 
 
 def test_the_torchtitan_launch_ended_cleanly(launch):

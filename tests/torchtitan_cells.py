@@ -48,10 +48,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def stock_config(family: str, *, bf16: bool = False):
+def stock_config(family: str, *, bf16: bool = False, tp: bool = False, sp: bool = True):
     """torchtitan's own debug config for ``family``, shrunk: float32 parameters in FSDP's all-gather (so a
     probe can be compared with float32 weights in one process; ``bf16``: its default, bfloat16), a short
-    run of short batches."""
+    run of short batches. ``tp``: tensor parallelism over the 2 ranks instead of FSDP, with torchtitan's
+    default sequence parallelism (``sp`` False: without it)."""
     if family == "llama3":
         from torchtitan.models.llama3.config_registry import llama3_debugmodel as debugmodel
     else:
@@ -63,6 +64,9 @@ def stock_config(family: str, *, bf16: bool = False):
     # the default "spmd_types" backend hands fully_shard plain tensors with SPMD annotations, which torch 2.13's
     # fully_shard refuses at dp_shard > 1 ("all parameters must be DTensors"); "partial_dtensor" is its other FSDP path
     config.parallelism.spmd_backend = "partial_dtensor"
+    if tp:
+        config.parallelism.tensor_parallel_degree, config.parallelism.data_parallel_shard_degree = 2, 1
+        config.parallelism.enable_sequence_parallel = sp
     return config
 
 
@@ -81,6 +85,8 @@ def build_trainer(cls, config, parallel_dims, cell: Path):
     from torchtitan.distributed import utils as dist_utils
 
     spec = config.model_spec
+    if config.parallelism.tensor_parallel_degree > 1:  # as Trainer.__init__ (the loss-parallel loss asserts it)
+        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
     model_config = spec.model
     model_config.update_from_config(config=config)  # as Trainer.__init__: RoPE caches, the sharding config
     torch.manual_seed(0)  # the same initial weights on every rank and in both runs
@@ -127,8 +133,15 @@ def full_params(model) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params(model).items()}
 
 
+def data_rank(parallel_dims) -> int:
+    """The rank whose rows this rank reads: its own under data parallelism, its replica's under tensor parallelism
+    (tensor-parallel peers read the same rows, as torchtitan's loaders give them)."""
+    batch = parallel_dims.get_optional_mesh("batch")
+    return batch.get_local_rank() if batch is not None else 0
+
+
 def train(trainer, vocab_size: int):
-    data = trainer.batch_generator(rows(_rank(), vocab_size))
+    data = trainer.batch_generator(rows(data_rank(trainer.parallel_dims), vocab_size))
     for step in range(1, STEPS + 1):
         trainer.step = step
         trainer.train_step(data)
@@ -137,7 +150,7 @@ def train(trainer, vocab_size: int):
 def family_cell(cell: Path, name: str) -> dict:
     """``<family>``: both runs, everything saved; ``<family>_bf16``: FSDP's default bfloat16 parameter mixed
     precision, the SinkWatchTrainer run alone (its records)."""
-    family, bf16 = name.removesuffix("_bf16"), name.endswith("_bf16")
+    family, bf16, tp, sp = name.split("_")[0], name.endswith("_bf16"), "_tp" in name, not name.endswith("_nosp")
     import torchtitan.distributed.parallel_dims as pdims
     from torchtitan.distributed import ParallelDims
     from torchtitan.trainer import Trainer
@@ -146,13 +159,13 @@ def family_cell(cell: Path, name: str) -> dict:
 
     pdims.device_type = "cpu"  # torchtitan falls back to "cuda" where no accelerator is found; the mesh here is CPU (gloo)
     th.eager_flex(trainable=True)
-    stock = stock_config(family, bf16=bf16)
+    stock = stock_config(family, bf16=bf16, tp=tp, sp=sp)
     parallel_dims = ParallelDims.from_config(stock.parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     V = stock.model_spec.model.vocab_size
 
     options = {"every_n_steps": EVERY, "out_dir": str(cell / "sw"), "wandb": "disabled", "console": False, "raise_on_error": True}
-    config = sinkwatch_config(stock_config(family, bf16=bf16), **options)
+    config = sinkwatch_config(stock_config(family, bf16=bf16, tp=tp, sp=sp), **options)
     trainer = build_trainer(SinkWatchTrainer, config, parallel_dims, cell)
     initial = full_params(trainer.model_parts[0])
     trainer.sinkwatch_setup()
@@ -170,7 +183,7 @@ def family_cell(cell: Path, name: str) -> dict:
     final = full_params(trainer.model_parts[0])
     live = trainer.sinkwatch
     torch.save(live.natural.tokens, cell / f"natural-rank{_rank()}.pt")
-    first = next(rows(_rank(), V))[0]["input"]
+    first = next(rows(data_rank(parallel_dims), V))[0]["input"]
     torch.save(first, cell / f"first-rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(initial, cell / "initial.pt")

@@ -7,7 +7,8 @@ one probe-time ``CaptureSession`` (``session.py``):
 - ``custom``: other PyTorch models whose attention calls ``sinkwatch.attend`` (``CustomTarget``);
 - ``olmo_core``: OLMo-core ``Transformer`` models, at their attention backend (``OLMoCoreTarget``);
 - ``litgpt``: LitGPT ``GPT`` models, at ``CausalSelfAttention.scaled_dot_product_attention`` (``LitGPTTarget``);
-- ``torchtitan``: torchtitan llama3/qwen3 decoders, at each layer's ``inner_attention`` (``TorchtitanTarget``).
+- ``torchtitan``: torchtitan llama3/qwen3 decoders, at each layer's ``inner_attention`` (``TorchtitanTarget``);
+- ``megatron``: Megatron-core ``GPTModel``, at each layer's ``self_attention.core_attention`` (``MegatronTarget``).
 
 Adding a framework means one new module here and one line in ``resolve_target``.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .custom import CustomTarget, attend
 from .litgpt import LitGPTTarget, find_litgpt_model
+from .megatron import MegatronTarget, find_megatron_model
 from .olmo_core import OLMoCoreTarget, find_olmo_core_model
 from .preserve import preserved_rng, untouched
 from .session import CaptureSession, Collector, UnsupportedModelError, activate, active_session, capturing
@@ -53,6 +55,9 @@ def resolve_target(obj) -> ProbeTarget:
     titan = find_torchtitan_model(obj)
     if titan is not None:
         return TorchtitanTarget(titan)
+    megatron = find_megatron_model(obj)
+    if megatron is not None:
+        return MegatronTarget(megatron)
     return HFTarget(find_transformers_model(obj))
 
 
@@ -65,6 +70,7 @@ __all__ = [
     "CustomTarget",
     "HFTarget",
     "LitGPTTarget",
+    "MegatronTarget",
     "OLMoCoreTarget",
     "ProbeTarget",
     "TorchtitanTarget",

@@ -31,6 +31,7 @@ from torch import nn
 from ..kernels import AttentionOutput, attention_output, output_backend
 from ..kernels.api import output_tolerance
 from .sublayers import find_sublayers, norm_children
+from .tensor_parallel import whole
 
 
 class Collector(Protocol):
@@ -244,6 +245,8 @@ class CaptureSession:
                 return None
             layer, out = pending
             x = args[0]
+            local = _dtensor_heads(x)  # a tensor-parallel rank's own heads, side by side
+            x = local if local is not None else whole(x)
             B, S = out.shape[:2]
             if x.shape[:2] != (B, S) or x.numel() != out.numel():
                 self.collector.on_head_output(layer, out)  # not the heads side by side: read the attention output
@@ -289,7 +292,7 @@ class CaptureSession:
             if i == 0:
                 hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
                 if isinstance(hidden, torch.Tensor):
-                    self.collector.on_block_input(i, hidden)
+                    self.collector.on_block_input(i, whole(hidden))
 
         return hook
 
@@ -304,7 +307,7 @@ class CaptureSession:
                     self.collector.on_sublayer_output(i, kind, out)
             self._block = None
             hidden = output[0] if isinstance(output, (tuple, list)) else output
-            self.collector.on_block_output(i, hidden)
+            self.collector.on_block_output(i, whole(hidden))  # a replicated DTensor's own copy under tensor parallelism
 
         return hook
 
@@ -314,7 +317,7 @@ class CaptureSession:
                 return
             out = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(out, torch.Tensor):
-                self._written[kind] = (i, out)
+                self._written[kind] = (i, whole(out))
 
         return hook
 
@@ -330,12 +333,23 @@ class CaptureSession:
     def _norm_out(self, module, _args, output):
         taken = self._post_norm.pop(id(module), None)
         if taken is not None and isinstance(output, torch.Tensor):
-            self.collector.on_sublayer_output(taken[0], taken[1], output)
+            self.collector.on_sublayer_output(taken[0], taken[1], whole(output))
 
     def remove_projection_hooks(self) -> None:
         for h in self._projections.values():
             h.remove()
         self._projections = {}
+
+
+def _dtensor_heads(x):
+    """The local tensor of a DTensor sharded on its last axis (a tensor-parallel rank's heads side by side at
+    the output projection's input), else None."""
+    placements = getattr(x, "placements", None)
+    if placements is None or not hasattr(x, "to_local"):
+        return None
+    if any(not p.is_replicate() and getattr(p, "dim", None) not in (x.dim() - 1, -1) for p in placements):
+        return None
+    return x.to_local()
 
 
 def _agrees(kind: tuple, fused: torch.Tensor, own: torch.Tensor, value: torch.Tensor) -> bool:

@@ -11,6 +11,13 @@ masks the way training does (``model.get_attention_masks(positions)`` with one d
 plain causal), since FlexAttention needs them, and always ends at the logits (``_skip_lm_head``, which the
 Trainer sets when the loss applies the output layer itself, is off for the probe).
 
+Under tensor parallelism (torchtitan's own plan) q, k and the output arrive as DTensors sharded on the heads:
+their local tensors are this rank's block of heads in global order, handed on as they are
+(``probe_share.combine`` gathers them); the residual stream is a replicated DTensor (its local copy is read) or,
+under sequence parallelism, one sharded over the positions (gathered whole: ``capture.tensor_parallel.whole``),
+and the loss-parallel output's last position is gathered and its losses computed on the vocabulary
+shards (``capture/tensor_parallel.py``).
+
 Models other than llama3 and qwen3 (deepseek_v3's MLA, qwen3_5's gated attention and GatedDeltaNet,
 gpt_oss's sinks and windows) are refused by name, as is a pipeline stage (a rank without every layer).
 This module imports ``torchtitan`` only inside functions.
@@ -27,6 +34,7 @@ from torch import nn
 from .head import ProbeForward, losses_from_logits
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
+from .tensor_parallel import is_dtensor, vocab_parallel_token_losses, whole
 
 SUPPORTED = ("Llama3Model", "Qwen3Model")
 
@@ -96,6 +104,13 @@ class TorchtitanTarget(ProbeTarget):
             with _with_lm_head(self.model):
                 logits = self.model(input_ids, attention_masks=masks)  # (B, S, V): torchtitan returns every position's
             session.end()
+            if is_dtensor(logits) and not all(p.is_replicate() for p in logits.placements):
+                # tensor parallelism's loss-parallel output: each rank holds a shard of the vocabulary; the losses are
+                # computed on the shards (vocabulary-parallel), and only the last position's logits gathered
+                local = logits.to_local()
+                losses = vocab_parallel_token_losses(local, input_ids, logits.device_mesh.get_group()) if token_losses else None
+                return ProbeForward(whole(logits if all_logits else logits[:, -1:]), losses)
+            logits = whole(logits)
             losses = losses_from_logits(logits, input_ids) if token_losses else None
             return ProbeForward(logits if all_logits else logits[:, -1:], losses)
 
@@ -124,14 +139,28 @@ def _with_lm_head(model: nn.Module):
         model._skip_lm_head = skip
 
 
+def _local(x):
+    return x.to_local() if is_dtensor(x) else x
+
+
 def _inner_hook(attention: nn.Module):
     def hook(inner, args, kwargs, output):
         session = active_session()
         if session is None:
             return None
-        q, k = args[0], args[1]  # (B, L, Nq, H), (B, L, Nkv, H): post-RoPE, GQA not repeated
+        # (B, L, Nq, H), (B, L, Nkv, H): post-RoPE, GQA not repeated; under tensor parallelism DTensors sharded on the
+        # heads, whose local tensors are this rank's block of heads (``probe_share.combine`` puts them in global order)
+        q, k = _local(args[0]), _local(args[1])
         scale = kwargs.get("scale")
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        return session.attend(lambda: output, attention, q.transpose(1, 2), k.transpose(1, 2), scale, None, None, None, attention.wo)
+        own = _local(output)
+        out = session.attend(lambda: own, attention, q.transpose(1, 2), k.transpose(1, 2), scale, None, None, None, attention.wo)
+        if out is own:
+            return None  # the model's own output, unchanged
+        if is_dtensor(output):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(out, output.device_mesh, output.placements, shape=output.shape, stride=output.stride())
+        return out
 
     return hook

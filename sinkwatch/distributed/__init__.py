@@ -6,6 +6,7 @@
   after a probe, the verdict on a fault, the combination of the shares);
 - ``forwards``: the probe forwards of ranks that probe together (one agreement before each, faults
   held to its end, equal forward counts);
+- ``tensor_parallel``: tensor parallelism, one mechanism for every adapter (``TensorParallel``);
 - ``protocol``: the codes an agreement carries and the exceptions of a probe that cannot go on;
 - ``testing``: test-only fault injection (``SINKWATCH_TEST_FAULT``).
 """
@@ -36,6 +37,7 @@ from .layout import (
     tensor_parallel_params,
 )
 from .protocol import COMBINE, DONE, FAIL, FORWARD, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
+from .tensor_parallel import TensorParallel, hand_sliced_params
 from .testing import FAULT_ENV, FAULT_POINTS, InjectedFault, fault_point
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "FAULT_POINTS",
     "FORWARD",
     "START",
+    "TensorParallel",
     "GroupForwards",
     "InjectedFault",
     "Outcome",
@@ -66,6 +69,7 @@ __all__ = [
     "fsdp1_param_dtype",
     "fsdp2_param_dtype",
     "group_device",
+    "hand_sliced_params",
     "is_fsdp",
     "is_out_of_memory",
     "probe_compute_dtype",

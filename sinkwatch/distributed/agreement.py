@@ -122,6 +122,7 @@ class ProbeGroup:
         # whether a probe forward is itself a collective (sharded parameters: its all-gathers); under a
         # split DDP probe it is not, and a fault in it is an ordinary failed verdict, as in one process
         self.forwards_collective = True
+        self.tp = None  # tensor parallelism (``TensorParallel``): block forwards are collectives of their own
         self._closed = False
         self._stretches = 0  # collective stretches entered (the same count on every rank while they run in step)
         self._id = 0
@@ -142,7 +143,8 @@ class ProbeGroup:
 
         if facts.together and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = cls(dist.get_world_size(), prefer=prefer, fault_timeout_s=fault_timeout_s)
-            group.forwards_collective = facts.sharding is not None
+            group.forwards_collective = facts.sharding is not None or facts.tp is not None
+            group.tp = facts.tp
             return group
         return cls(1, fault_timeout_s=fault_timeout_s)
 
@@ -234,6 +236,9 @@ class ProbeGroup:
             with self.collective(step, "combining the ranks' shares of the probe"):
                 self.all_reduce_sum(tensor)
 
+        if self.tp is not None:  # the ranks of a tensor-parallel group run their replica's share, each its own heads
+            tp = self.tp
+            return ProbeShare(rank=tp.dp_rank, size=tp.dp_size, all_reduce=combine, heads=(tp.rank, tp.size))
         return ProbeShare(rank=self.rank, size=self.size, all_reduce=combine)
 
     def broadcast_windows(self, windows: torch.Tensor | None) -> torch.Tensor | None:

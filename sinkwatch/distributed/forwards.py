@@ -7,7 +7,8 @@ it faults, so that every collective in it (FSDP's all-gathers) is paired:
 - a fault in sinkwatch's statistics (the capture's collector) or in the head-loss tap is held;
 - a fault inside a block's own forward is held too, where the forward is a collective: the block's
   output is its input, the blocks after it skip their compute, and FSDP's hooks around each block
-  (its all-gather and reshard) still run, so the rank issues the same collectives as its peers;
+  (its all-gather and reshard) still run, so the rank issues the same collectives as its peers (not under
+  tensor parallelism, whose collectives are inside the blocks' compute: there it goes to the verdict);
 - the extra all-logits forwards of a head sinkwatch cannot reproduce number the same on every rank
   (the largest count any rank needs; the others pad with throw-away forwards);
 
@@ -131,7 +132,9 @@ class GroupForwards(ProbeTarget):
         collective = group.forwards_collective and group.size > 1
         with contextlib.ExitStack() as stack:
             if collective:
-                stack.enter_context(_held_blocks(self.inner, held))
+                # under tensor parallelism a block's own compute holds collectives (the row-parallel all-reduces):
+                # skipping it would unpair them, so a fault there goes to the verdict instead of being held
+                stack.enter_context(_held_blocks(self.inner, held, hold_compute=getattr(group, "tp", None) is None))
             if os.environ.get(FAULT_ENV):  # the "model" test point: a fault in the middle block's hooks (not held)
                 blocks = self.inner.blocks()
                 hook = blocks[len(blocks) // 2].register_forward_pre_hook(lambda *_: fault_point("model", self.step))
@@ -173,7 +176,7 @@ class GroupForwards(ProbeTarget):
 
 
 @contextlib.contextmanager
-def _held_blocks(target: ProbeTarget, held: _Held):
+def _held_blocks(target: ProbeTarget, held: _Held, *, hold_compute: bool = True):
     """For one probe set: each block marks where the forward is (a pre-hook before FSDP's own), and each
     block's own forward holds its fault (``_held_forward``) where that can keep the collectives paired."""
     handles, patched = [], []
@@ -188,7 +191,7 @@ def _held_blocks(target: ProbeTarget, held: _Held):
 
             handles.append(block.register_forward_pre_hook(enter, prepend=True))
             handles.append(block.register_forward_hook(leave))  # not on a fault: the verdict names the block
-            inner = _compute_of(block)
+            inner = _compute_of(block) if hold_compute else None
             if inner is not None:
                 patched.append((inner, inner.__dict__.get("forward", _MISSING)))
                 inner.forward = _held_forward(inner, inner.forward, held)

@@ -16,10 +16,13 @@ keeps its flat parameter unsharded after a forward (it expects the backward next
 units keep theirs, and so does FSDP2's root; left so, the optimizer would update the shards and the
 next training forward would skip its all-gather and compute on the pre-update parameters.
 
-Refused at setup (``check_layout``), with what to do instead: tensor parallelism (a rank holds only
-some heads: a probe on rank 0 alone would hang in the row-parallel all-reduce, one on every rank would
-measure its local heads only) and DeepSpeed ZeRO-3 (a probe on rank 0 alone would hang in DeepSpeed's
-all-gather).
+Tensor parallelism (``TensorParallel``, given by the adapter that knows the mesh: Megatron-core,
+torchtitan): every rank probes together, the ranks of a tensor-parallel group the same sequences (their
+data-parallel replica's share), each its own heads, gathered in global order (``sinkwatch.distributed.
+tensor_parallel``). Refused at setup (``check_layout``), with what to do instead: tensor parallelism no
+adapter described (a rank holds only some heads: a probe on rank 0 alone would hang in the row-parallel
+all-reduce, one on every rank would measure its local heads only) and DeepSpeed ZeRO-3 (a probe on rank 0
+alone would hang in DeepSpeed's all-gather).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tensor_parallel import TensorParallel, hand_sliced_params
+
 
 @dataclass(frozen=True)
 class RankFacts:
@@ -39,39 +44,48 @@ class RankFacts:
     world_size: int
     sharding: str | None  # "fsdp" (v1), "fsdp2", or None (single device, DDP)
     split: bool = False  # every data-parallel rank probes its share of the sequences (``sinkwatch.probe_share``)
+    tp: TensorParallel | None = None  # tensor parallelism: this rank's heads and data-parallel replica
 
     @property
     def probes_here(self) -> bool:
         """Rank 0 always probes; with sharded parameters every rank must join the collective forward;
-        with the probe split over the ranks every rank runs its share."""
-        return self.is_global_zero or self.sharding is not None or self.split
+        with the probe split over the ranks every rank runs its share; under tensor parallelism every rank
+        computes its heads."""
+        return self.is_global_zero or self.sharding is not None or self.split or self.tp is not None
 
     @property
     def together(self) -> bool:
-        """Whether every rank of the default group runs each probe (sharded parameters or a split probe)."""
-        return self.sharding is not None or self.split
+        """Whether every rank of the default group runs each probe (sharded parameters, a split probe,
+        tensor parallelism)."""
+        return self.sharding is not None or self.split or self.tp is not None
 
     @property
     def reports_here(self) -> bool:
         return self.is_global_zero
 
 
-def rank_facts(module, *, is_global_zero: bool, world_size: int = 1, split: bool = False) -> RankFacts:
+def rank_facts(
+    module, *, is_global_zero: bool, world_size: int = 1, split: bool = False, tp: TensorParallel | None = None
+) -> RankFacts:
     """The facts for this rank; ``module`` is the model as the strategy wraps it (FSDP shards show there).
-    ``split``: share each probe's sequences over the ranks, when there are several in an initialised group."""
+    ``split``: share each probe's sequences over the ranks, when there are several in an initialised group.
+    ``tp``: tensor parallelism (then ``world_size`` is its data-parallel size, and the probe is split over it)."""
     import torch.distributed as dist
 
-    world = max(1, int(world_size))
+    world = max(1, int(world_size if tp is None else tp.dp_size))
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     split = bool(split and grouped and world > 1)
+    if tp is not None and tp.size > 1:  # (one tensor-parallel rank: data parallelism as any other)
+        return RankFacts(is_global_zero=bool(is_global_zero), world_size=world, sharding=None, split=split, tp=tp)
     return RankFacts(is_global_zero=bool(is_global_zero), world_size=world, sharding=_sharding(module), split=split)
 
 
 # ---- layouts refused ---------------------------------------------------------------------------
-def check_layout(module, *, zero3: bool = False) -> None:
+def check_layout(module, *, zero3: bool = False, tensor_parallel: TensorParallel | None = None) -> None:
     """Refuse, at setup, a layout no rank can probe: DeepSpeed ZeRO-3 (``zero3``: the framework's
-    config says stage 3; or parameters carrying ZeRO-3's ``ds_id``) and tensor parallelism
-    (parameters sharded by a layout other than FSDP's). ``module``: the model as the strategy wraps it."""
+    config says stage 3; or parameters carrying ZeRO-3's ``ds_id``) and tensor parallelism no adapter
+    described (``tensor_parallel`` None: parameters sharded by a layout other than FSDP's, or marked
+    tensor-parallel by Megatron-core). ``module``: the model as the strategy wraps it."""
     params = list(module.parameters()) if module is not None else []
     if zero3 or any(hasattr(p, "ds_id") for p in params):
         raise ValueError(
@@ -80,15 +94,35 @@ def check_layout(module, *, zero3: bool = False) -> None:
             "FSDP/FSDP2 (every rank probes together), or save checkpoints and probe them "
             "afterwards with `sinkwatch replay` / `sinkwatch probe`."
         )
-    sliced = tensor_parallel_params(module)
+    if tensor_parallel is not None:
+        _check_tensor_parallel(tensor_parallel)
+        return
+    sliced = tensor_parallel_params(module) or hand_sliced_params(module)
     if sliced:
         example = next((n for n in sliced if "attn" in n or "attention" in n), sliced[0])
         raise ValueError(
             f"sinkwatch cannot probe a tensor-parallel model live: {len(sliced)} parameters (e.g. {example}) hold only this "
             "rank's slice, so each rank computes only some heads: a probe on rank 0 alone would hang in the row-parallel "
-            "all-reduce, and a probe on every rank would measure its local heads only. Train with FSDP2/HSDP or DDP "
-            "(tensor_parallel_size=1, no tp_plan), or save checkpoints and probe them afterwards with `sinkwatch replay` / "
-            "`sinkwatch probe` (a live record at step N equals the probe of the checkpoint saved at step N)."
+            "all-reduce, and a probe on every rank would measure its local heads only. sinkwatch gathers each rank's heads "
+            "where the framework defines the plan (sinkwatch.megatron, sinkwatch.torchtitan), not under a plan applied by "
+            "hand (parallelize_module, tp_plan), whose heads' layout, sequence-parallel residual stream and output sharding "
+            "the strategy does not describe. Train with FSDP2/HSDP or DDP (tensor_parallel_size=1, no tp_plan), or save "
+            "checkpoints and probe them afterwards with `sinkwatch replay` / `sinkwatch probe` (a live record at step N "
+            "equals the probe of the checkpoint saved at step N)."
+        )
+
+
+def _check_tensor_parallel(tp: TensorParallel) -> None:
+    """Every rank of the job is one tensor-parallel rank of one data-parallel replica (no pipeline or
+    context parallelism on top, which would leave ranks outside both)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp.size * tp.dp_size != world:
+        raise ValueError(
+            f"sinkwatch: tensor parallelism {tp.size} x data parallelism {tp.dp_size} is not the {world} ranks of the job; "
+            "every rank must be one tensor-parallel rank of one data-parallel replica (pipeline and context parallelism "
+            "are not supported live: docs/live.md, \"Layouts\")"
         )
 
 
@@ -129,13 +163,16 @@ class ProbeLayout:
     outer: torch.nn.Module | None = None
 
     @classmethod
-    def of(cls, module, outer, *, is_global_zero: bool, world_size: int = 1, split: bool = False, compute_dtype=None) -> ProbeLayout:
+    def of(
+        cls, module, outer, *, is_global_zero: bool, world_size: int = 1, split: bool = False, compute_dtype=None,
+        tp: TensorParallel | None = None,
+    ) -> ProbeLayout:  # fmt: skip
         """``module``: what is probed; ``outer``: the model as the strategy wraps it. ``compute_dtype``:
         the trainer's autocast dtype under mixed precision (Lightning ``bf16-mixed``, HF ``bf16=True``,
         OLMo-core ``autocast_precision``): the probe forwards run under autocast in it, statistics
         accumulating in float32. None: FSDP parameter mixed precision's ``param_dtype`` if any (the
         units cast their own parameters, as in training: no autocast), else the model's own dtype."""
-        facts = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size, split=split)
+        facts = rank_facts(outer, is_global_zero=is_global_zero, world_size=world_size, split=split, tp=tp)
         if compute_dtype is None:
             cast = fsdp1_param_dtype(outer) or fsdp2_param_dtype(outer)
             if cast is not None:
