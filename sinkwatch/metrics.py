@@ -358,10 +358,10 @@ def p0_circuit(
       concentrates in blocks 0-1 as training converges. Unlike the emergence block it moves
       continuously when two blocks amplify alike (the stage rules read it, not the block). NaN when
       nothing is amplified;
-    - "nothing is amplified": the largest-gain block's rho < ``min_ratio``, or its amplification does
-      not persist (persistence < ``min_persistence``, or NaN). A random initialisation's block 0 makes
-      position 0 stand out (rho ~2) and the next block undoes it: an emergence block or a
-      concentration there would be noise;
+    - "amplified": some block's rho >= ``min_ratio`` and at least ``min_persistence`` of the blocks
+      after it stay >= ``min_ratio`` (none after it: not amplified). A random initialisation's block 0
+      makes position 0 stand out (rho ~2) and the next block undoes it, and a stack that never reaches
+      ``min_ratio`` has no jump worth naming: an emergence block or a concentration there is noise;
     - ``circuit_layer``: the emergence block when it amplifies (rho >= ``min_ratio``), persists
       (persistence >= ``min_persistence``) and, with ``consistency``, points one way across
       sequences (c >= ``min_consistency``); else None.
@@ -389,7 +389,9 @@ def p0_circuit(
     later = rho[e + 1 :]
     persistence = float(np.mean(np.nan_to_num(later, nan=-np.inf) >= min_ratio)) if later.size else math.nan
     out["p0_persistence"] = persistence
-    if not (rho[e] >= min_ratio and persistence >= min_persistence):  # nothing amplified (NaN persistence fails)
+    up = np.nan_to_num(rho, nan=-np.inf) >= min_ratio
+    amplified = any(up[b] and b + 1 < len(rho) and up[b + 1 :].mean() >= min_persistence for b in range(len(rho)))
+    if not amplified:
         return out
     out["p0_emergence_block"] = e
     span = log_rho[top] - math.log(base)
@@ -397,7 +399,7 @@ def p0_circuit(
         shallow = np.nanmax(np.concatenate([log_rho[:shallow_blocks], [-np.inf]]))
         out["p0_concentration"] = float(np.clip((shallow - math.log(base)) / span, 0.0, 1.0))
     stable = consistency is None or np.nan_to_num(np.asarray(consistency, dtype=float)[e], nan=-np.inf) >= min_consistency
-    if stable:
+    if rho[e] >= min_ratio and persistence >= min_persistence and stable:  # NaN persistence fails
         out["circuit_layer"] = e
     return out
 

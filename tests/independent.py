@@ -208,7 +208,7 @@ def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow:
     """docs/stages.md's circuit description, re-derived with loops: the emergence block (largest gain
     in log rho, block 0's over the embeddings), its persistence, the concentration within blocks
     0..shallow-1, the circuit layer; ``consistency`` None: no direction test (the BOS anchor). The emergence
-    block and the concentration only where the largest-gain block amplifies (>= R) and persists (>= P)."""
+    block and the concentration only where position 0 is amplified: some block >= R that persists (>= P)."""
     L = len(rho)
     logs = [np.log(rho_emb)] + [np.log(r) for r in rho]
     gains = [logs[l + 1] - logs[l] for l in range(L)]
@@ -218,8 +218,9 @@ def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow:
     persistence = sum(later) / len(later) if later else np.nan
     span = logs[top + 1] - logs[0]
     concentration = min(1.0, max(0.0, (max(logs[1 : shallow + 1]) - logs[0]) / span)) if rho[top] > 1 and span > 0 else np.nan
-    amplified = rho[e] >= R and persistence >= P  # else no emergence block, no concentration: nothing is amplified
-    ok = amplified and (consistency is None or consistency[e] >= C)
+    # amplified: some block >= R with >= P of the blocks after it >= R; else no emergence block, no concentration
+    amplified = any(rho[b] >= R and b + 1 < L and sum(rho[k] >= R for k in range(b + 1, L)) / (L - b - 1) >= P for b in range(L))
+    ok = rho[e] >= R and persistence >= P and (consistency is None or consistency[e] >= C)
     return {
         "rho_max": rho[top], "rho_max_block": top, "p0_emergence_block": e if amplified else None, "p0_persistence": persistence,
         "p0_concentration": concentration if amplified else np.nan, "circuit_layer": e if ok else None,
