@@ -131,6 +131,20 @@ class MegatronTarget(ProbeTarget):
     def tp_size(self) -> int:
         return _group_size(self.tp_group)
 
+    def probe_forward_bytes(self, rows: int, seq_len: int, act_bytes: int) -> int:
+        """What one probe forward of ``rows`` x ``seq_len`` allocates beyond the per-token activations
+        (``sinkwatch.probe_memory``): every position's logits on this rank's vocabulary shard (B, S, V/TP), their
+        float copy and the vocabulary-parallel cross-entropy's temporaries (3 x float32); with the local
+        ``DotProductAttention``, its [b·heads/TP, s, s] score buffer, the masked scores and the probabilities
+        (3 x; Transformer Engine's fused attention has none)."""
+        shard = -(-self.vocab_size // self.tp_size)
+        need = 3 * rows * seq_len * shard * 4
+        core = self._blocks[0].self_attention.core_attention if len(self._blocks) else None
+        if type(core).__name__ == "DotProductAttention":
+            heads = int(getattr(core, "num_attention_heads_per_partition", 0) or 0)
+            need += 3 * rows * heads * seq_len * seq_len * act_bytes
+        return need
+
     def _fit_score_buffer(self, B: int, S: int) -> None:
         """The local attention's score buffer (Megatron's global memory buffer ``("mpu", dtype)``), grown to
         this probe forward's [b·heads/TP, s, s] where it lives on the CPU. Megatron grows it itself, but always
