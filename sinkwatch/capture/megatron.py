@@ -40,11 +40,8 @@ from .tensor_parallel import gather_last_dim
 
 
 def is_megatron_model(obj) -> bool:
-    if "megatron.core" not in sys.modules or not isinstance(obj, nn.Module):
-        return False
-    from megatron.core.models.gpt import GPTModel
-
-    return isinstance(obj, GPTModel)
+    gpt = sys.modules.get("megatron.core.models.gpt.gpt_model")  # loaded by whoever built a GPTModel; never imported here
+    return gpt is not None and isinstance(obj, nn.Module) and isinstance(obj, gpt.GPTModel)
 
 
 def find_megatron_model(obj) -> nn.Module | None:
@@ -183,8 +180,11 @@ class MegatronTarget(ProbeTarget):
                 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
                 labels = input_ids[:, 1:].transpose(0, 1).contiguous()  # (S-1, B)
-                # Megatron's own vocabulary-parallel loss (its all-reduces over the tensor-parallel group)
-                losses = vocab_parallel_cross_entropy(local[:, :-1].transpose(0, 1).float().contiguous(), labels).transpose(0, 1)
+                # Megatron's own vocabulary-parallel loss (its all-reduces over the tensor-parallel group). It writes its
+                # input in place (subtracts the max, exponentiates): a copy, since .float().contiguous() of float32
+                # logits with B = 1 is a view of ``local``, whose logits are handed back below
+                shifted = local[:, :-1].transpose(0, 1).float().clone(memory_format=torch.contiguous_format)
+                losses = vocab_parallel_cross_entropy(shifted, labels).transpose(0, 1)
             logits = local if all_logits else local[:, -1:]
             return ProbeForward(gather_last_dim(logits.contiguous(), group), losses)
 
