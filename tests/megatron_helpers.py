@@ -12,9 +12,9 @@ The workarounds, each replacing one CUDA-only line of megatron-core 0.16.1:
   its no-op tracker (the CUDA tracker forks ``torch.cuda`` RNG states around the tensor-parallel dropout);
 - ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` unconditionally: the
   patched method is the same computation without that move;
-- core attention's global memory buffer (``("mpu", dtype)``) allocates on CUDA when it grows: it is
-  pre-filled with a CPU tensor as large as a training forward needs (a probe's larger forwards grow it on
-  the CPU: ``MegatronTarget._fit_score_buffer``);
+- ``GlobalMemoryBuffer.get_tensor`` (core attention's score buffer, ``("mpu", dtype)``) allocates on
+  ``torch.cuda.current_device()`` when it grows: the patched method is the same with the new buffer on the
+  CPU (training's forwards and the probe's larger micro-batches grow it alike);
 - with fewer key/value groups than tensor-parallel ranks, ``Attention`` gathers the QKV projection with
   ``mappings._gather_along_last_dim``, whose output is allocated on ``torch.cuda.current_device()``: the
   patched function is the same gather into a tensor on the input's device (only that model needs it).
@@ -34,9 +34,6 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQ, BATCH = 128, 64, 4  # the models' (padded) vocabulary and context; rows per step and rank
-# core attention's score buffer, sized for training's forwards (rows x heads/TP x S x S): a probe forward's larger
-# micro-batch grows it where it lies (MegatronTarget._fit_score_buffer), as a CPU run of someone else's would need
-BUFFER_FLOATS = BATCH * 4 * SEQ * SEQ
 
 
 def cpu_megatron(tp: int, seed: int = 1234) -> None:
@@ -52,8 +49,10 @@ def cpu_megatron(tp: int, seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     # workaround: get_emb without its move of inv_freq to torch.cuda.current_device()
     RotaryEmbedding.get_emb = _get_emb_on_cpu
-    # workaround: the core-attention score buffer pre-filled on the CPU (it would grow on CUDA)
-    ps.get_global_memory_buffer().buffer[("mpu", torch.float32)] = torch.empty(BUFFER_FLOATS)
+    # workaround: the global memory buffer (core attention's scores) grown on the CPU (it would grow on CUDA)
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     # workaround: the QKV gather of fewer key/value groups than ranks, into a tensor on the input's device
     from megatron.core.tensor_parallel import mappings
 
@@ -72,6 +71,15 @@ def _gather_along_last_dim_here(input_, group):
     output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
     dist_all_gather_func(output, input_.contiguous(), group=group)
     return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
+
+
+def _get_tensor_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    """megatron-core 0.16.1's ``GlobalMemoryBuffer.get_tensor`` with a buffer that grows on the CPU."""
+    required = math.prod(tensor_shape)
+    held = self.buffer.get((name, dtype))
+    if held is None or held.numel() < required:
+        self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+    return self.buffer[(name, dtype)][0:required].view(*tensor_shape)
 
 
 def _get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

@@ -142,23 +142,6 @@ class MegatronTarget(ProbeTarget):
             need += 3 * rows * heads * seq_len * seq_len * act_bytes
         return need
 
-    def _fit_score_buffer(self, B: int, S: int) -> None:
-        """The local attention's score buffer (Megatron's global memory buffer ``("mpu", dtype)``), grown to
-        this probe forward's [b·heads/TP, s, s] where it lives on the CPU. Megatron grows it itself, but always
-        on ``torch.cuda.current_device()``: a run on CPU pre-fills it for its training shapes, and a probe's
-        micro-batch (``MonitorConfig.batch_tokens``) may need more. On a GPU the buffer is Megatron's to grow."""
-        state = sys.modules.get("megatron.core.parallel_state")
-        memory = state.get_global_memory_buffer() if state is not None and getattr(state, "_GLOBAL_MEMORY_BUFFER", None) else None
-        if memory is None:
-            return
-        core = self._blocks[0].self_attention.core_attention
-        heads = int(getattr(core, "num_attention_heads_per_partition", 0) or 0)
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        held = memory.buffer.get(("mpu", dtype))
-        need = B * heads * S * S
-        if held is not None and held.device.type == "cpu" and held.numel() < need:
-            memory.buffer[("mpu", dtype)] = torch.empty(need, dtype=dtype, device=held.device)
-
     @contextlib.contextmanager
     def capture(self, collector: Collector):
         session = _MegatronSession(_SequenceFirst(collector), self._blocks, self.name)
@@ -170,7 +153,6 @@ class MegatronTarget(ProbeTarget):
             # Megatron's causal mask as its GPT pretraining builds it (True: masked); a None mask would make the
             # local attention build its own on CUDA
             mask = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
-            self._fit_score_buffer(B, S)
             session.begin()
             # (B, S, V/TP): the output layer's own shard of the vocabulary (no gather of every position's logits)
             local = self.model(input_ids, positions, mask, runtime_gather_output=False)
