@@ -128,6 +128,7 @@ def other2(cell: Path) -> dict:
     mh.cpu_megatron(tp=2)
     data = mh.batches(ps.get_data_parallel_rank(), 2)
     model = mh.build_gpt(other=True)
+    _save(mh.master_weights(model), cell / "initial.pt")
     optimizer = _optimizer(model)
     sw = SinkWatchMegatron(model, max_steps=2, out_dir=str(cell / "sw"), **OPTIONS)
     for it in range(2):

@@ -202,11 +202,14 @@ def load_master(model, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ---- an independent float64 forward of the same weights ------------------------------------------
-def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups: int, eps: float = 1e-5):
+def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups: int, eps: float = 1e-5, other: bool = False):
     """``eager(tokens)`` as tests/independent.py's ``check_record`` reads it: the GPT forward of Megatron's
     local spec written out in float64 from the master weights (LayerNorm, fused QKV laid out per query
     group [q heads of the group, k, v], RoPE on the halves, causal softmax, GELU MLP, the output layer),
-    sharing nothing with Megatron or sinkwatch."""
+    sharing nothing with Megatron or sinkwatch. ``other``: ``build_gpt(other=True)``'s variant: RMSNorm
+    (weight only), SwiGLU (``linear_fc1`` = [gate; up], ``silu(gate) * up``), the q and k of each head
+    RMS-normed before RoPE, no biases, the output layer tied to the embedding (query-key layer scaling
+    cancels: nothing to write)."""
     W = {k: v.double() for k, v in weights.items()}
     emb = W["embedding.word_embeddings.weight"]
     d = emb.shape[1]
@@ -215,7 +218,17 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
 
     def ln(x, name):
+        if other:
+            w = W[f"{name}.weight"]
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
         return torch.nn.functional.layer_norm(x, (d,), W[f"{name}.weight"], W[f"{name}.bias"], eps)
+
+    def mlp(x, p):
+        h = lin(x, f"{p}.mlp.linear_fc1")
+        if other:
+            gate, up = h.chunk(2, dim=-1)
+            return lin(torch.nn.functional.silu(gate) * up, f"{p}.mlp.linear_fc2")
+        return lin(torch.nn.functional.gelu(h), f"{p}.mlp.linear_fc2")
 
     def lin(x, name):
         b = W.get(f"{name}.bias")
@@ -240,6 +253,8 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
             q = qkv[..., : per * D].reshape(N, S, heads, D)
             k = qkv[..., per * D : (per + 1) * D]
             v = qkv[..., (per + 1) * D :]
+            if other:  # QK layer norm: each head's q and k RMS-normed over its D, before RoPE
+                q, k = ln(q, f"{p}.self_attention.q_layernorm"), ln(k, f"{p}.self_attention.k_layernorm")
             q, k = rope(q), rope(k)
             k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
             scores = torch.einsum("nshd,nthd->nhst", q, k) / math.sqrt(D)
@@ -247,7 +262,7 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
             ctx = torch.einsum("nhst,nthd->nshd", probs, v).reshape(N, S, heads * D)
             a = lin(ctx, f"{p}.self_attention.linear_proj")
             x = x + a
-            m = lin(torch.nn.functional.gelu(lin(ln(x, f"{p}.pre_mlp_layernorm"), f"{p}.mlp.linear_fc1")), f"{p}.mlp.linear_fc2")
+            m = mlp(ln(x, f"{p}.pre_mlp_layernorm"), p)
             x = x + m
             attn.append(probs)
             resid.append(x)

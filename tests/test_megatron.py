@@ -77,9 +77,10 @@ def cell(launch, name: str) -> tuple[Path, list[dict]]:
     return d, results
 
 
-def check_against_float64(record: dict, d: Path, weights: str, *, groups: int) -> None:
+def check_against_float64(record: dict, d: Path, weights: str, *, groups: int, other: bool = False) -> None:
     sets = torch.load(d / "sets.pt", weights_only=False)
-    eager = mh.eager64(torch.load(d / weights, weights_only=True), layers=2, heads=4, groups=groups)
+    shape = {"layers": 3, "heads": 6, "groups": 2} if other else {"layers": 2, "heads": 4, "groups": groups}
+    eager = mh.eager64(torch.load(d / weights, weights_only=True), **shape, other=other)
     ind.check_record(record, mh.ProbeSets(sets, MonitorConfig()), mh.VOCAB, eager)
 
 
@@ -137,6 +138,16 @@ def test_megatron_other_model_tp2_equals_tp1(launch):
     assert {r["n_heads"] for r in records} == {6} and {r["n_layers"] for r in records} == {3}
     (tp1,) = read_jsonl(d1 / "sw" / "records.jsonl")
     assert_same_numbers(records[-1], tp1)
+
+
+def test_megatron_other_model_tp2_equals_a_float64_forward(launch):
+    """The Llama-like variant's records at step 0 and at the last step (tensor parallelism 2) equal the float64
+    re-derivation of its master weights (RMSNorm, SwiGLU's gate and up halves, QK RMS norm, no biases, tied
+    output), head by head in global order."""
+    d, _ = cell(launch, "other2")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    check_against_float64(records[0], d, "initial.pt", groups=2, other=True)
+    check_against_float64(records[-1], d, "final.pt", groups=2, other=True)
 
 
 def test_megatron_fewer_kv_groups_than_tp_ranks(launch):

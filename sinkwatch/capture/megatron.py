@@ -202,7 +202,10 @@ def _core_hook(module, args, kwargs, output):
 
 
 class _MegatronSession(CaptureSession):
-    """What a Megatron sublayer writes is its output plus the bias it hands back separately."""
+    """What a Megatron sublayer writes is its output plus the bias it hands back separately. Without a bias the
+    output is copied: in eval mode under no_grad Megatron's bias-dropout-add adds the residual into the sublayer's
+    output in place (``_bias_dropout_add_func``'s ``inplace``), which would turn the tensor held here into the next
+    residual stream (and hand it to ``pre_mlp_layernorm`` as if it were a post-norm's input)."""
 
     def _sublayer_out(self, i: int, kind: str):
         def hook(_module, _args, output):
@@ -210,7 +213,7 @@ class _MegatronSession(CaptureSession):
                 return
             out, bias = (output[0], output[1] if len(output) > 1 else None) if isinstance(output, (tuple, list)) else (output, None)
             if isinstance(out, torch.Tensor):
-                self._written[kind] = (i, out if not isinstance(bias, torch.Tensor) else out + bias)
+                self._written[kind] = (i, out.clone() if not isinstance(bias, torch.Tensor) else out + bias)
 
         return hook
 
