@@ -6,7 +6,8 @@ parallelism 2 x data parallelism 2, each replica reading its own rows), several 
 Cells (each under a watchdog, ``faulthandler.dump_traceback_later``: a hang dumps every stack and exits;
 the process group times out too):
 
-- ``tp2``: tensor parallelism 2 (GQA: 4 query heads, 2 key/value groups). ``STEPS`` optimizer steps by hand
+- ``tp2``: tensor parallelism 2 (GQA: 4 query heads, 2 key/value groups; attention and hidden dropout 0.1).
+  ``STEPS`` optimizer steps by hand
   (tests/megatron_helpers.train_step) with ``SinkWatchMegatron`` at its defaults but the schedule (probes at
   0, 2 and 4) and a fault injected in sinkwatch's statistics on tensor-parallel rank 1 at step 2; then the
   same steps from the same initial weights and batches without it. Writes each rank's losses and whether
@@ -44,6 +45,8 @@ CELL_TIMEOUT_S = 120
 STEPS, EVERY = 4, 2
 FAULT = "stats@1@2"  # sinkwatch's statistics raise on global rank 1 (tensor-parallel rank 1) at step 2
 OPTIONS = {"wandb": "disabled", "console": False}
+DROPOUT = 0.1  # tp2's attention and hidden dropout
+FAULT_TIMEOUT_S = 5.0  # tpfault: how long the faulting rank waits for the verdict
 
 
 def _rank() -> int:
@@ -66,7 +69,8 @@ def tp2(cell: Path) -> dict:
 
     mh.cpu_megatron(tp=2)
     data = mh.batches(ps.get_data_parallel_rank(), STEPS)
-    model = mh.build_gpt(groups=2)
+    # dropout 0.1: training draws from the CPU RNG (the no-op tracker), so a probe that moved it would show below
+    model = mh.build_gpt(groups=2, dropout=DROPOUT)
     _save(mh.master_weights(model), cell / "initial.pt")
     optimizer = _optimizer(model)
     os.environ["SINKWATCH_TEST_FAULT"] = FAULT
@@ -81,7 +85,7 @@ def tp2(cell: Path) -> dict:
         os.environ.pop("SINKWATCH_TEST_FAULT", None)
     _save(mh.master_weights(model), cell / "final.pt")
     _save(sw.live.monitor.probe_sets(mh.VOCAB), cell / "sets.pt")
-    plain_model = mh.build_gpt(groups=2)
+    plain_model = mh.build_gpt(groups=2, dropout=DROPOUT)
     plain_opt = _optimizer(plain_model)
     plain = [mh.train_step(plain_model, plain_opt, data[it], ps.get_data_parallel_group()) for it in range(STEPS)]
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))

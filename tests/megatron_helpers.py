@@ -92,8 +92,11 @@ def _get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
-def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB, other=False):
+def build_gpt(
+    *, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB, other=False, dropout=0.0
+):
     """A Megatron ``GPTModel`` (local spec, RoPE, biases, an output layer of its own: Megatron's defaults) from ``seed``.
+    ``dropout``: attention and hidden dropout (with the no-op RNG tracker they draw from the CPU RNG).
     ``other``: a Llama-like variant (RMSNorm, SwiGLU, QK layer norm, no biases, tied embeddings,
     ``apply_query_key_layer_scaling``) of 3 layers, 6 query heads in 2 groups, width 96."""
     from megatron.core.models.gpt import GPTModel
@@ -110,7 +113,7 @@ def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int 
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         use_cpu_initialization=True,  # workaround: weights made on the CPU
-        attention_dropout=0.0, hidden_dropout=0.0, **extra,
+        attention_dropout=dropout, hidden_dropout=dropout, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(qk_layernorm=other, normalization="RMSNorm" if other else None)
