@@ -19,6 +19,8 @@ the process group times out too):
   layer scaling; 3 layers, 6 heads in 2 groups) trained two steps at tensor parallelism 2 with the monitor at its
   defaults (probes at 0 and the last step), then its final master weights probed at tensor parallelism 1;
 - ``refusals``: what cannot be probed live, refused at construction with the reason (each error's text);
+- ``tpfault`` (a launch of its own, it ends the processes): a fault in a block's own forward on tensor-parallel
+  rank 1, which raises ``ProbeForwardBroken`` within ``fault_timeout_s``;
 - ``gqa1``: tensor parallelism 2 with one key/value group for 4 query heads (fewer groups than ranks:
   Megatron gathers the projection and each rank keeps its query heads), probed at step 0 (``sw/``, the
   master weights, the probe sets).
@@ -190,7 +192,34 @@ def refusals(cell: Path) -> dict:
     return {"errors": errors}
 
 
-CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, other2, other1, refusals)}
+def tpfault(cell: Path) -> dict:
+    """A fault inside a block's own forward on tensor-parallel rank 1 (the middle block's pre-hook, step 0): the
+    block cannot be skipped on one rank (it would unpair the row-parallel all-reduces), so rank 1 waits
+    ``fault_timeout_s`` for the verdict and raises ``ProbeForwardBroken`` while rank 0 waits in the block's
+    all-reduce. Rank 1 writes its result and exits non-zero, so the launcher ends rank 0 (the last cell)."""
+    from megatron.core import parallel_state as ps
+
+    from sinkwatch.megatron import SinkWatchMegatron
+
+    mh.cpu_megatron(tp=2)
+    model = mh.build_gpt(groups=2)
+    sw = SinkWatchMegatron(
+        model, every_n_steps=None, probe_at_end=False, preflight=False, fault_timeout_s=FAULT_TIMEOUT_S, out_dir=str(cell / "sw"), **OPTIONS
+    )
+    os.environ["SINKWATCH_TEST_FAULT"] = "model@1@0"
+    t0 = time.perf_counter()
+    try:
+        sw.read(mh.batches(ps.get_data_parallel_rank(), 1)[0][:, :-1])  # the first read probes step 0
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - what rank 1 raised, for the test
+        raised = f"{type(exc).__name__}: {exc}"
+    result = {"status": "ok", "raised": raised, "seconds": time.perf_counter() - t0}
+    (cell / f"result-rank{_rank()}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(3 if raised else 0)  # the run stops here, as a training loop's uncaught ProbeForwardBroken would
+
+
+CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, other2, other1, refusals, tpfault)}
 
 
 def main() -> None:

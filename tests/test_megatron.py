@@ -184,6 +184,31 @@ def test_megatron_refusals(launch):
     assert results[0]["errors"] == results[1]["errors"]
 
 
+@pytest.fixture(scope="module")
+def launch_fault(tmp_path_factory):
+    import time
+
+    t0 = time.perf_counter()
+    out, rc, log, nproc = _launch(tmp_path_factory, 2, ["tpfault"])
+    return out, rc, log, time.perf_counter() - t0
+
+
+def test_megatron_fault_in_a_block_on_one_tp_rank_stops_the_run(launch_fault):
+    """A fault inside a block's own forward on tensor-parallel rank 1 cannot be held (skipping the block on one
+    rank would unpair the row-parallel all-reduces): rank 1 raises ProbeForwardBroken after waiting
+    fault_timeout_s for the verdict and exits; rank 0, waiting in the block's all-reduce, sees the connection close
+    (gloo) and raises ProbeForwardBroken too, or the launcher ends it: never a hang."""
+    out, rc, log, seconds = launch_fault
+    result = json.loads((out / "tpfault" / "result-rank1.json").read_text())
+    assert result["raised"] is not None and result["raised"].startswith("ProbeForwardBroken"), (result, log[-4000:])
+    assert "InjectedFault" in result["raised"] and "ranks [0] raised no fault there" in result["raised"]
+    assert mc.FAULT_TIMEOUT_S <= result["seconds"] < mc.FAULT_TIMEOUT_S + 20
+    assert rc != 0 and seconds < mc.CELL_TIMEOUT_S  # ended with rank 1, not by the watchdog or a timeout
+    rank0 = out / "tpfault" / "result-rank0.json"
+    if rank0.exists():  # its all-reduce failed when rank 1's process went
+        assert json.loads(rank0.read_text())["raised"].startswith("ProbeForwardBroken")
+
+
 def test_the_megatron_launch_ended_cleanly(either):
     out, rc, output, _ = either
     assert rc == 0, output[-6000:]
