@@ -213,3 +213,65 @@ def test_the_megatron_launch_ended_cleanly(either):
     out, rc, output, _ = either
     assert rc == 0, output[-6000:]
     assert "Timeout" not in output and "Traceback" not in output, output[-6000:]
+
+
+# ---- refusals that a CPU build cannot have, in one process (a world of 1) -----------------------------------------
+@pytest.fixture(scope="module")
+def one_process_gpt(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('mg1') / 'store'}", rank=0, world_size=1)
+    try:
+        mh.cpu_megatron(tp=1)
+        yield mh.build_gpt(layers=1)
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("multi_latent_attention", True, "multi_latent_attention"),
+        ("attention_output_gate", True, "attention_output_gate"),
+        ("softmax_type", "off-by-one", "softmax offset"),
+        ("context_parallel_size", 2, "context_parallel_size"),
+    ],
+)
+def test_megatron_capture_refuses_what_it_cannot_read(one_process_gpt, monkeypatch, flag, value, says):
+    """Multi-latent attention, gated attention output, a softmax offset, context parallelism: refused by the capture
+    with the reason (the flag set on a built model's config, as a GPU run's config carries it)."""
+    from sinkwatch.capture import UnsupportedModelError
+    from sinkwatch.capture.megatron import MegatronTarget
+
+    monkeypatch.setattr(one_process_gpt.config, flag, value)
+    with pytest.raises(UnsupportedModelError, match=says):
+        MegatronTarget(one_process_gpt)
+
+
+def test_megatron_pipeline_stage_and_chunks_are_refused(one_process_gpt, monkeypatch, tmp_path):
+    """A pipeline stage (no output layer here), a list of virtual-pipeline model chunks, and pipeline or context
+    parallelism in Megatron's parallel state: each refused at construction, with the reason."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from sinkwatch.capture import UnsupportedModelError
+    from sinkwatch.capture.megatron import MegatronTarget
+    from sinkwatch.megatron import SinkWatchMegatron, megatron_parallel
+
+    with pytest.raises(ValueError, match="2 model chunks"):
+        SinkWatchMegatron([one_process_gpt, one_process_gpt], out_dir=str(tmp_path), wandb="disabled", console=False)
+    bare = SimpleNamespace(pg_collection=None)  # the sizes from parallel_state, stubbed (a world of 1 cannot have them)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        megatron_parallel(bare)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="context parallelism"):
+        megatron_parallel(bare)
+    monkeypatch.setattr(one_process_gpt, "post_process", False)
+    with pytest.raises(UnsupportedModelError, match="pipeline stage"):
+        MegatronTarget(one_process_gpt)
