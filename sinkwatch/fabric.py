@@ -32,7 +32,7 @@ all-gather the shards), each its share too (``sinkwatch.probe_share``). The capt
 chosen by the model: LitGPT ``GPT`` through its attention method, transformers models through
 ``AttentionInterface``, ``sinkwatch.attend`` / ``sinkwatch_target()`` otherwise. Refused at setup with
 a clear error: DeepSpeed (its engine owns the parameters), tensor parallelism (its plan is the user's
-parallelize function's, which the strategy does not describe: docs/live.md, "Layouts"), Fabric's ``FSDPStrategy``
+parallelize function's, which the strategy does not describe: docs/live.md, "Distributed training"), Fabric's ``FSDPStrategy``
 of a LitGPT model is untested (it needs CUDA), explicit probes longer than the model's
 ``max_seq_length``. A KV-cache training forward (LitGPT ``input_pos``) is not read as a training batch.
 

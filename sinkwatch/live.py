@@ -157,7 +157,7 @@ class LiveMonitor:
         self.target = resolve_target(model)
         outer = wrapped if wrapped is not None else model
         check_layout(outer, zero3=zero3, tensor_parallel=tensor_parallel)
-        if tensor_parallel is not None and not cfg.split_probe and tensor_parallel.dp_size > 1:
+        if tensor_parallel is not None and not cfg.split_probe and tensor_parallel.size > 1 and tensor_parallel.dp_size > 1:
             raise ValueError(
                 "sinkwatch: split_probe=False cannot apply under tensor parallelism: the ranks of every tensor-parallel group "
                 "must run each probe forward together (its all-reduces), so every data-parallel replica probes its share; "

@@ -20,8 +20,9 @@ Tensor parallelism: every rank constructs and calls the monitor alike. Each tens
 the statistics of its own heads (``sinkwatch.capture.megatron``: the q and k of ``core_attention``, after
 RoPE), the probe's sequences are split over the data-parallel replicas, and one all-reduce assembles the
 record with the heads in their global order (``sinkwatch.distributed.tensor_parallel``). Global rank 0
-writes it. Pipeline parallelism (no rank holds every layer), context and sequence parallelism are refused
-at construction (``ValueError``), with the reason.
+writes it. Refused at construction, with the reason: pipeline parallelism (no rank holds every layer) and
+context parallelism with a ``ValueError`` (``megatron_parallel``); sequence parallelism and attention the
+capture cannot read (``sinkwatch.capture.megatron``) with ``UnsupportedModelError`` (a ``TypeError``).
 
 Resuming: ``SinkWatchMegatron(..., start_step=iteration)`` with the iteration the checkpoint restored
 rebuilds the monitor's state (probe sets, natural windows, stage tracker) from its own store in

@@ -2,8 +2,11 @@
 
 A probe forward runs under ``torch.no_grad()``, so its memory is the activations of the blocks that
 are alive at once, the final hidden states the loss chunks read (``capture/head.py``), one loss
-chunk, and the last position's logits — never all-position logits, never an S x S matrix
-(docs/design.md §9) — plus what the layout gathers for it. Per token that is a few rows of the model's widest
+chunk, and the last position's logits — no all-position logits and no S x S matrix for the models whose
+head and attention sinkwatch drives itself (docs/design.md §9) — plus what the layout gathers for it.
+Megatron-core is the exception: its output layer computes every position's logits on this rank's
+vocabulary shard and its local attention an S x S score buffer (``MegatronTarget.probe_forward_bytes``).
+Per token that is a few rows of the model's widest
 activations, in the dtype the probe computes in (bf16 under bf16 autocast or FSDP parameter mixed
 precision: half of float32)::
 
@@ -13,9 +16,11 @@ precision: half of float32)::
               + WORKSPACE_BYTES                        # the statistics kernels' row blocks, allocator slack
               + gathered                               # FSDP: the root's parameters, the two largest units'
               + rows * T * V * act_bytes               # only a model that cannot return the last position alone
+              + target.probe_forward_bytes(rows, T, act_bytes)   # a target's own extra (Megatron: below)
 
-``d`` is the embedding width, ``widest`` the largest ``out_features`` of a linear layer in block 0
-(a fused gate-up or qkv projection counts whole). ``rows`` is the largest micro-batch a rank runs:
+``d`` is the embedding width, ``widest`` the largest width a linear layer of block 0 writes on this rank
+(a fused gate-up or qkv projection counts whole; Megatron's column-parallel linears their shard).
+``rows`` is the largest micro-batch a rank runs:
 under the probe split each rank runs only its share, ``ceil(N / W)`` sequences of each set, so a
 probe that fits on a rank whose share is small is not refused for the whole set's rows. ``gathered``
 is what the probe's forwards all-gather beyond the rank's own shards, in the dtype they are gathered
@@ -60,15 +65,42 @@ def micro_batch_rows(seq_len: int, batch_tokens: int) -> int:
     return max(1, batch_tokens // seq_len)
 
 
+def _out_width(m: nn.Module) -> int | None:
+    """The width a linear layer writes on this rank: ``nn.Linear`` / Transformer Engine's ``out_features``,
+    Megatron's ``ColumnParallelLinear`` ``output_size_per_partition`` (its shard), ``RowParallelLinear``
+    ``output_size`` (whole after its all-reduce). None: not a linear layer."""
+    if isinstance(m, nn.Linear):
+        return m.out_features
+    for name in ("output_size_per_partition", "out_features", "output_size"):
+        width = getattr(m, name, None)
+        if isinstance(width, int) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            return width
+    return None
+
+
+def _in_width(m: nn.Module) -> int | None:
+    for name in ("in_features", "input_size"):
+        width = getattr(m, name, None)
+        if isinstance(width, int):
+            return width
+    return None
+
+
+def _is_embedding(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "embedding_dim", None), int) and isinstance(getattr(m, "weight", None), torch.Tensor)
+
+
 def _widths(target) -> tuple[int, int]:
-    """(d, widest) read off the target's modules."""
+    """(d, widest) read off the target's modules: embeddings (``nn.Embedding``, Megatron's
+    ``VocabParallelEmbedding``: anything with an ``embedding_dim`` and a weight) and the linear layers of
+    block 0 (``nn.Linear``, Megatron's tensor-parallel linears, Transformer Engine's: ``_out_width``)."""
     module: nn.Module = target.module
-    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) or _is_embedding(m)]
     d = max((m.embedding_dim for m in embeddings), default=0)
     blocks = target.blocks()
-    linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)] if len(blocks) else []
-    widest = max((m.out_features for m in linears), default=4 * d)
-    d = d or max((m.in_features for m in linears), default=1)
+    linears = [m for m in blocks[0].modules() if _out_width(m) is not None] if len(blocks) else []
+    widest = max((_out_width(m) for m in linears), default=4 * d)
+    d = d or max((_in_width(m) or 0 for m in linears), default=1) or 1
     return d, widest
 
 
@@ -96,6 +128,9 @@ def estimate(
     tokens = max(r * seq_len for r, seq_len in largest)
     if not _keeps_last_position(target):  # every position's logits come back from each forward
         fixed += max(r * seq_len for r, seq_len in largest) * V * act_bytes
+    extra = getattr(target, "probe_forward_bytes", None)  # what the target's own forward allocates besides
+    if extra is not None:
+        fixed += max(extra(r, seq_len, act_bytes) for r, seq_len in largest)
     return ProbeMemory(per_token=per_token, fixed=fixed, per_row=V * 4 * 2, gathered=gathered), tokens, rows
 
 

@@ -6,7 +6,8 @@ parallelism 2 x data parallelism 2, each replica reading its own rows), several 
 Cells (each under a watchdog, ``faulthandler.dump_traceback_later``: a hang dumps every stack and exits;
 the process group times out too):
 
-- ``tp2``: tensor parallelism 2 (GQA: 4 query heads, 2 key/value groups). ``STEPS`` optimizer steps by hand
+- ``tp2``: tensor parallelism 2 (GQA: 4 query heads, 2 key/value groups; attention and hidden dropout 0.1).
+  ``STEPS`` optimizer steps by hand
   (tests/megatron_helpers.train_step) with ``SinkWatchMegatron`` at its defaults but the schedule (probes at
   0, 2 and 4) and a fault injected in sinkwatch's statistics on tensor-parallel rank 1 at step 2; then the
   same steps from the same initial weights and batches without it. Writes each rank's losses and whether
@@ -18,6 +19,8 @@ the process group times out too):
   layer scaling; 3 layers, 6 heads in 2 groups) trained two steps at tensor parallelism 2 with the monitor at its
   defaults (probes at 0 and the last step), then its final master weights probed at tensor parallelism 1;
 - ``refusals``: what cannot be probed live, refused at construction with the reason (each error's text);
+- ``tpfault`` (a launch of its own, it ends the processes): a fault in a block's own forward on tensor-parallel
+  rank 1, which raises ``ProbeForwardBroken`` within ``fault_timeout_s``;
 - ``gqa1``: tensor parallelism 2 with one key/value group for 4 query heads (fewer groups than ranks:
   Megatron gathers the projection and each rank keeps its query heads), probed at step 0 (``sw/``, the
   master weights, the probe sets).
@@ -44,6 +47,8 @@ CELL_TIMEOUT_S = 120
 STEPS, EVERY = 4, 2
 FAULT = "stats@1@2"  # sinkwatch's statistics raise on global rank 1 (tensor-parallel rank 1) at step 2
 OPTIONS = {"wandb": "disabled", "console": False}
+DROPOUT = 0.1  # tp2's attention and hidden dropout
+FAULT_TIMEOUT_S = 5.0  # tpfault: how long the faulting rank waits for the verdict
 
 
 def _rank() -> int:
@@ -66,7 +71,8 @@ def tp2(cell: Path) -> dict:
 
     mh.cpu_megatron(tp=2)
     data = mh.batches(ps.get_data_parallel_rank(), STEPS)
-    model = mh.build_gpt(groups=2)
+    # dropout 0.1: training draws from the CPU RNG (the no-op tracker), so a probe that moved it would show below
+    model = mh.build_gpt(groups=2, dropout=DROPOUT)
     _save(mh.master_weights(model), cell / "initial.pt")
     optimizer = _optimizer(model)
     os.environ["SINKWATCH_TEST_FAULT"] = FAULT
@@ -81,7 +87,7 @@ def tp2(cell: Path) -> dict:
         os.environ.pop("SINKWATCH_TEST_FAULT", None)
     _save(mh.master_weights(model), cell / "final.pt")
     _save(sw.live.monitor.probe_sets(mh.VOCAB), cell / "sets.pt")
-    plain_model = mh.build_gpt(groups=2)
+    plain_model = mh.build_gpt(groups=2, dropout=DROPOUT)
     plain_opt = _optimizer(plain_model)
     plain = [mh.train_step(plain_model, plain_opt, data[it], ps.get_data_parallel_group()) for it in range(STEPS)]
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
@@ -128,6 +134,7 @@ def other2(cell: Path) -> dict:
     mh.cpu_megatron(tp=2)
     data = mh.batches(ps.get_data_parallel_rank(), 2)
     model = mh.build_gpt(other=True)
+    _save(mh.master_weights(model), cell / "initial.pt")
     optimizer = _optimizer(model)
     sw = SinkWatchMegatron(model, max_steps=2, out_dir=str(cell / "sw"), **OPTIONS)
     for it in range(2):
@@ -185,7 +192,34 @@ def refusals(cell: Path) -> dict:
     return {"errors": errors}
 
 
-CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, other2, other1, refusals)}
+def tpfault(cell: Path) -> dict:
+    """A fault inside a block's own forward on tensor-parallel rank 1 (the middle block's pre-hook, step 0): the
+    block cannot be skipped on one rank (it would unpair the row-parallel all-reduces), so rank 1 waits
+    ``fault_timeout_s`` for the verdict and raises ``ProbeForwardBroken`` while rank 0 waits in the block's
+    all-reduce. Rank 1 writes its result and exits non-zero, so the launcher ends rank 0 (the last cell)."""
+    from megatron.core import parallel_state as ps
+
+    from sinkwatch.megatron import SinkWatchMegatron
+
+    mh.cpu_megatron(tp=2)
+    model = mh.build_gpt(groups=2)
+    sw = SinkWatchMegatron(
+        model, every_n_steps=None, probe_at_end=False, preflight=False, fault_timeout_s=FAULT_TIMEOUT_S, out_dir=str(cell / "sw"), **OPTIONS
+    )
+    os.environ["SINKWATCH_TEST_FAULT"] = "model@1@0"
+    t0 = time.perf_counter()
+    try:
+        sw.read(mh.batches(ps.get_data_parallel_rank(), 1)[0][:, :-1])  # the first read probes step 0
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - what rank 1 raised, for the test
+        raised = f"{type(exc).__name__}: {exc}"
+    result = {"status": "ok", "raised": raised, "seconds": time.perf_counter() - t0}
+    (cell / f"result-rank{_rank()}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(3 if raised else 0)  # the run stops here, as a training loop's uncaught ProbeForwardBroken would
+
+
+CELLS = {f.__name__: f for f in (tp2, tp1, gqa1, other2, other1, refusals, tpfault)}
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ The workarounds, each replacing one CUDA-only line of megatron-core 0.16.1:
   its no-op tracker (the CUDA tracker forks ``torch.cuda`` RNG states around the tensor-parallel dropout);
 - ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` unconditionally: the
   patched method is the same computation without that move;
-- core attention's global memory buffer (``("mpu", dtype)``) allocates on CUDA when it grows: it is
-  pre-filled with a CPU tensor as large as a training forward needs (a probe's larger forwards grow it on
-  the CPU: ``MegatronTarget._fit_score_buffer``);
+- ``GlobalMemoryBuffer.get_tensor`` (core attention's score buffer, ``("mpu", dtype)``) allocates on
+  ``torch.cuda.current_device()`` when it grows: the patched method is the same with the new buffer on the
+  CPU (training's forwards and the probe's larger micro-batches grow it alike);
 - with fewer key/value groups than tensor-parallel ranks, ``Attention`` gathers the QKV projection with
   ``mappings._gather_along_last_dim``, whose output is allocated on ``torch.cuda.current_device()``: the
   patched function is the same gather into a tensor on the input's device (only that model needs it).
@@ -34,9 +34,6 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQ, BATCH = 128, 64, 4  # the models' (padded) vocabulary and context; rows per step and rank
-# core attention's score buffer, sized for training's forwards (rows x heads/TP x S x S): a probe forward's larger
-# micro-batch grows it where it lies (MegatronTarget._fit_score_buffer), as a CPU run of someone else's would need
-BUFFER_FLOATS = BATCH * 4 * SEQ * SEQ
 
 
 def cpu_megatron(tp: int, seed: int = 1234) -> None:
@@ -52,8 +49,10 @@ def cpu_megatron(tp: int, seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     # workaround: get_emb without its move of inv_freq to torch.cuda.current_device()
     RotaryEmbedding.get_emb = _get_emb_on_cpu
-    # workaround: the core-attention score buffer pre-filled on the CPU (it would grow on CUDA)
-    ps.get_global_memory_buffer().buffer[("mpu", torch.float32)] = torch.empty(BUFFER_FLOATS)
+    # workaround: the global memory buffer (core attention's scores) grown on the CPU (it would grow on CUDA)
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    GlobalMemoryBuffer.get_tensor = _get_tensor_on_cpu
     # workaround: the QKV gather of fewer key/value groups than ranks, into a tensor on the input's device
     from megatron.core.tensor_parallel import mappings
 
@@ -74,6 +73,15 @@ def _gather_along_last_dim_here(input_, group):
     return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
 
 
+def _get_tensor_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    """megatron-core 0.16.1's ``GlobalMemoryBuffer.get_tensor`` with a buffer that grows on the CPU."""
+    required = math.prod(tensor_shape)
+    held = self.buffer.get((name, dtype))
+    if held is None or held.numel() < required:
+        self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+    return self.buffer[(name, dtype)][0:required].view(*tensor_shape)
+
+
 def _get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     """megatron-core 0.16.1's ``RotaryEmbedding.get_emb`` minus its first two lines (the move to CUDA)."""
     freqs = self.get_freqs_non_repeated(max_seq_len, offset)
@@ -84,8 +92,11 @@ def _get_emb_on_cpu(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
-def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB, other=False):
+def build_gpt(
+    *, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int = 2, seed: int = 0, vocab: int = VOCAB, other=False, dropout=0.0
+):
     """A Megatron ``GPTModel`` (local spec, RoPE, biases, an output layer of its own: Megatron's defaults) from ``seed``.
+    ``dropout``: attention and hidden dropout (with the no-op RNG tracker they draw from the CPU RNG).
     ``other``: a Llama-like variant (RMSNorm, SwiGLU, QK layer norm, no biases, tied embeddings,
     ``apply_query_key_layer_scaling``) of 3 layers, 6 query heads in 2 groups, width 96."""
     from megatron.core.models.gpt import GPTModel
@@ -102,7 +113,7 @@ def build_gpt(*, layers: int = 2, hidden: int = 64, heads: int = 4, groups: int 
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         use_cpu_initialization=True,  # workaround: weights made on the CPU
-        attention_dropout=0.0, hidden_dropout=0.0, **extra,
+        attention_dropout=dropout, hidden_dropout=dropout, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(qk_layernorm=other, normalization="RMSNorm" if other else None)
@@ -194,11 +205,14 @@ def load_master(model, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ---- an independent float64 forward of the same weights ------------------------------------------
-def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups: int, eps: float = 1e-5):
+def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups: int, eps: float = 1e-5, other: bool = False):
     """``eager(tokens)`` as tests/independent.py's ``check_record`` reads it: the GPT forward of Megatron's
     local spec written out in float64 from the master weights (LayerNorm, fused QKV laid out per query
     group [q heads of the group, k, v], RoPE on the halves, causal softmax, GELU MLP, the output layer),
-    sharing nothing with Megatron or sinkwatch."""
+    sharing nothing with Megatron or sinkwatch. ``other``: ``build_gpt(other=True)``'s variant: RMSNorm
+    (weight only), SwiGLU (``linear_fc1`` = [gate; up], ``silu(gate) * up``), the q and k of each head
+    RMS-normed before RoPE, no biases, the output layer tied to the embedding (query-key layer scaling
+    cancels: nothing to write)."""
     W = {k: v.double() for k, v in weights.items()}
     emb = W["embedding.word_embeddings.weight"]
     d = emb.shape[1]
@@ -207,7 +221,17 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
 
     def ln(x, name):
+        if other:
+            w = W[f"{name}.weight"]
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
         return torch.nn.functional.layer_norm(x, (d,), W[f"{name}.weight"], W[f"{name}.bias"], eps)
+
+    def mlp(x, p):
+        h = lin(x, f"{p}.mlp.linear_fc1")
+        if other:
+            gate, up = h.chunk(2, dim=-1)
+            return lin(torch.nn.functional.silu(gate) * up, f"{p}.mlp.linear_fc2")
+        return lin(torch.nn.functional.gelu(h), f"{p}.mlp.linear_fc2")
 
     def lin(x, name):
         b = W.get(f"{name}.bias")
@@ -232,6 +256,8 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
             q = qkv[..., : per * D].reshape(N, S, heads, D)
             k = qkv[..., per * D : (per + 1) * D]
             v = qkv[..., (per + 1) * D :]
+            if other:  # QK layer norm: each head's q and k RMS-normed over its D, before RoPE
+                q, k = ln(q, f"{p}.self_attention.q_layernorm"), ln(k, f"{p}.self_attention.k_layernorm")
             q, k = rope(q), rope(k)
             k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
             scores = torch.einsum("nshd,nthd->nhst", q, k) / math.sqrt(D)
@@ -239,7 +265,7 @@ def eager64(weights: dict[str, torch.Tensor], *, layers: int, heads: int, groups
             ctx = torch.einsum("nhst,nthd->nshd", probs, v).reshape(N, S, heads * D)
             a = lin(ctx, f"{p}.self_attention.linear_proj")
             x = x + a
-            m = lin(torch.nn.functional.gelu(lin(ln(x, f"{p}.pre_mlp_layernorm"), f"{p}.mlp.linear_fc1")), f"{p}.mlp.linear_fc2")
+            m = mlp(ln(x, f"{p}.pre_mlp_layernorm"), p)
             x = x + m
             attn.append(probs)
             resid.append(x)

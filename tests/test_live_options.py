@@ -106,3 +106,30 @@ def test_setup_decides_which_rank_probes(tmp_path):
         live.setup(build("llama"), is_global_zero=is_zero, world_size=2)
         live.step_end(0)
         assert (live.rank.probes_here, live.n_probes) == (is_zero, n_probes)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_split_probe_false_is_refused_only_under_tensor_parallelism(tmp_path, monkeypatch, tp_size):
+    """split_probe=False: refused with tensor-parallel groups (their ranks must probe together), allowed for
+    Megatron's data parallelism alone (TP size 1: rank 0 may probe every sequence alone)."""
+    import sinkwatch.live as live_module
+    from sinkwatch.distributed import TensorParallel
+
+    class Reached(Exception):
+        pass
+
+    def reached(*_a, **_k):
+        raise Reached
+
+    monkeypatch.setattr(live_module, "check_layout", lambda *a, **k: None)  # the world of 2 x 2 ranks is not here
+    monkeypatch.setattr(live_module.ProbeLayout, "of", reached)
+    live = LiveMonitor(
+        LiveConfig(out_dir=str(tmp_path), probes=[InductionProbe(n=8, seq_len=64)], wandb="disabled", console=False, split_probe=False)
+    )
+    tp = TensorParallel(None, 0, tp_size, 0, 2)
+    if tp_size > 1:
+        with pytest.raises(ValueError, match="split_probe=False cannot apply"):
+            live.setup(build("llama"), is_global_zero=True, world_size=2, tensor_parallel=tp)
+    else:
+        with pytest.raises(Reached):
+            live.setup(build("llama"), is_global_zero=True, world_size=2, tensor_parallel=tp)

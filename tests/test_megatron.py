@@ -77,9 +77,10 @@ def cell(launch, name: str) -> tuple[Path, list[dict]]:
     return d, results
 
 
-def check_against_float64(record: dict, d: Path, weights: str, *, groups: int) -> None:
+def check_against_float64(record: dict, d: Path, weights: str, *, groups: int, other: bool = False) -> None:
     sets = torch.load(d / "sets.pt", weights_only=False)
-    eager = mh.eager64(torch.load(d / weights, weights_only=True), layers=2, heads=4, groups=groups)
+    shape = {"layers": 3, "heads": 6, "groups": 2} if other else {"layers": 2, "heads": 4, "groups": groups}
+    eager = mh.eager64(torch.load(d / weights, weights_only=True), **shape, other=other)
     ind.check_record(record, mh.ProbeSets(sets, MonitorConfig()), mh.VOCAB, eager)
 
 
@@ -139,6 +140,16 @@ def test_megatron_other_model_tp2_equals_tp1(launch):
     assert_same_numbers(records[-1], tp1)
 
 
+def test_megatron_other_model_tp2_equals_a_float64_forward(launch):
+    """The Llama-like variant's records at step 0 and at the last step (tensor parallelism 2) equal the float64
+    re-derivation of its master weights (RMSNorm, SwiGLU's gate and up halves, QK RMS norm, no biases, tied
+    output), head by head in global order."""
+    d, _ = cell(launch, "other2")
+    records = read_jsonl(d / "sw" / "records.jsonl")
+    check_against_float64(records[0], d, "initial.pt", groups=2, other=True)
+    check_against_float64(records[-1], d, "final.pt", groups=2, other=True)
+
+
 def test_megatron_fewer_kv_groups_than_tp_ranks(launch):
     """One key/value group for 4 query heads at tensor parallelism 2 (Megatron gathers the projection; each rank
     keeps 2 query heads): the step-0 record equals the float64 re-derivation."""
@@ -173,7 +184,94 @@ def test_megatron_refusals(launch):
     assert results[0]["errors"] == results[1]["errors"]
 
 
+@pytest.fixture(scope="module")
+def launch_fault(tmp_path_factory):
+    import time
+
+    t0 = time.perf_counter()
+    out, rc, log, nproc = _launch(tmp_path_factory, 2, ["tpfault"])
+    return out, rc, log, time.perf_counter() - t0
+
+
+def test_megatron_fault_in_a_block_on_one_tp_rank_stops_the_run(launch_fault):
+    """A fault inside a block's own forward on tensor-parallel rank 1 cannot be held (skipping the block on one
+    rank would unpair the row-parallel all-reduces): rank 1 raises ProbeForwardBroken after waiting
+    fault_timeout_s for the verdict and exits; rank 0, waiting in the block's all-reduce, sees the connection close
+    (gloo) and raises ProbeForwardBroken too, or the launcher ends it: never a hang."""
+    out, rc, log, seconds = launch_fault
+    result = json.loads((out / "tpfault" / "result-rank1.json").read_text())
+    assert result["raised"] is not None and result["raised"].startswith("ProbeForwardBroken"), (result, log[-4000:])
+    assert "InjectedFault" in result["raised"] and "ranks [0] raised no fault there" in result["raised"]
+    assert mc.FAULT_TIMEOUT_S <= result["seconds"] < mc.FAULT_TIMEOUT_S + 20
+    assert rc != 0 and seconds < mc.CELL_TIMEOUT_S  # ended with rank 1, not by the watchdog or a timeout
+    rank0 = out / "tpfault" / "result-rank0.json"
+    if rank0.exists():  # its all-reduce failed when rank 1's process went
+        assert json.loads(rank0.read_text())["raised"].startswith("ProbeForwardBroken")
+
+
 def test_the_megatron_launch_ended_cleanly(either):
     out, rc, output, _ = either
     assert rc == 0, output[-6000:]
     assert "Timeout" not in output and "Traceback" not in output, output[-6000:]
+
+
+# ---- refusals that a CPU build cannot have, in one process (a world of 1) -----------------------------------------
+@pytest.fixture(scope="module")
+def one_process_gpt(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('mg1') / 'store'}", rank=0, world_size=1)
+    try:
+        mh.cpu_megatron(tp=1)
+        yield mh.build_gpt(layers=1)
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("multi_latent_attention", True, "multi_latent_attention"),
+        ("attention_output_gate", True, "attention_output_gate"),
+        ("softmax_type", "off-by-one", "softmax offset"),
+        ("context_parallel_size", 2, "context_parallel_size"),
+    ],
+)
+def test_megatron_capture_refuses_what_it_cannot_read(one_process_gpt, monkeypatch, flag, value, says):
+    """Multi-latent attention, gated attention output, a softmax offset, context parallelism: refused by the capture
+    with the reason (the flag set on a built model's config, as a GPU run's config carries it)."""
+    from sinkwatch.capture import UnsupportedModelError
+    from sinkwatch.capture.megatron import MegatronTarget
+
+    monkeypatch.setattr(one_process_gpt.config, flag, value)
+    with pytest.raises(UnsupportedModelError, match=says):
+        MegatronTarget(one_process_gpt)
+
+
+def test_megatron_pipeline_stage_and_chunks_are_refused(one_process_gpt, monkeypatch, tmp_path):
+    """A pipeline stage (no output layer here), a list of virtual-pipeline model chunks, and pipeline or context
+    parallelism in Megatron's parallel state: each refused at construction, with the reason."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from sinkwatch.capture import UnsupportedModelError
+    from sinkwatch.capture.megatron import MegatronTarget
+    from sinkwatch.megatron import SinkWatchMegatron, megatron_parallel
+
+    with pytest.raises(ValueError, match="2 model chunks"):
+        SinkWatchMegatron([one_process_gpt, one_process_gpt], out_dir=str(tmp_path), wandb="disabled", console=False)
+    bare = SimpleNamespace(pg_collection=None)  # the sizes from parallel_state, stubbed (a world of 1 cannot have them)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        megatron_parallel(bare)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="context parallelism"):
+        megatron_parallel(bare)
+    monkeypatch.setattr(one_process_gpt, "post_process", False)
+    with pytest.raises(UnsupportedModelError, match="pipeline stage"):
+        MegatronTarget(one_process_gpt)

@@ -9,7 +9,7 @@ from tiny_models import build
 from sinkwatch import InductionProbe, Monitor, RepeatedRandomProbe
 from sinkwatch.capture import HFTarget
 from sinkwatch.distributed import ProbeNotReady
-from sinkwatch.probe_memory import check_probe_memory, estimate
+from sinkwatch.probe_memory import WORKSPACE_BYTES, check_probe_memory, estimate
 
 MIB = 2**20
 
@@ -126,4 +126,33 @@ def test_fsdp_gathers_count_the_root_and_the_two_largest_units(tmp_path):
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         assert gathered_bytes(model, torch.bfloat16) == 2 * (root + 2 * block)
     finally:
+        dist.destroy_process_group()
+
+
+def test_megatron_estimate_reads_its_parallel_layers_logits_and_scores(tmp_path):
+    """Megatron's VocabParallelEmbedding and Column/RowParallelLinear are no nn.Embedding / nn.Linear: the
+    widths come from their own attributes, and its forward's (B, S, V/TP) logits (x3) and the local
+    attention's [B·H/TP, S, S] scores (x3) are counted (a real GPTModel, one process)."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron_helpers import SEQ, VOCAB, build_gpt, cpu_megatron
+
+    from sinkwatch.capture.megatron import MegatronTarget
+    from sinkwatch.probe_memory import _widths
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cpu_megatron(1)
+        target = MegatronTarget(build_gpt())  # width 64, 4 heads in 2 groups, MLP 256
+        assert _widths(target) == (64, 256)
+        sets = Monitor([InductionProbe(n=8, seq_len=SEQ)]).probe_sets(SEQ)
+        model, tokens, rows = estimate(target, sets, 4 * SEQ)
+        assert (tokens, rows) == (4 * SEQ, 4)
+        assert model.per_token == 4 * (8 * 64 + 3 * 256)
+        logits, scores = 3 * rows * SEQ * VOCAB * 4, 3 * rows * 4 * SEQ * SEQ * 4
+        assert model.fixed == WORKSPACE_BYTES + logits + scores
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
         dist.destroy_process_group()

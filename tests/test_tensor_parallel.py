@@ -69,3 +69,42 @@ def test_a_tensor_parallel_place_must_exist():
         TensorParallel(None, 0, 0)
     with pytest.raises(ValueError, match="heads"):
         ProbeShare(rank=0, size=1, all_reduce=lambda t: None, heads=(2, 2))
+
+
+def test_vocab_parallel_losses_of_uneven_shards(monkeypatch):
+    """A vocabulary DTensor Shard(-1) cannot split evenly (V = 7 over 2 ranks: ids 0-3 and 4-6): with each
+    shard's offset (``shard_offset``), the losses assembled over the group equal cross-entropy of the whole
+    logits. Two threads stand in for the two ranks; the all-reduce is emulated between them."""
+    import threading
+
+    import torch.distributed as dist
+
+    from sinkwatch.capture.tensor_parallel import vocab_parallel_token_losses
+
+    barrier, slots = threading.Barrier(2), {}
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None):
+        slots[threading.current_thread().name] = t.clone()
+        barrier.wait()
+        parts = torch.stack(list(slots.values()))
+        result = parts.amax(0) if op == dist.ReduceOp.MAX else parts.sum(0)
+        barrier.wait()
+        t.copy_(result)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    ids[0, 1:] = torch.tensor([3, 4, 6, 0])  # targets on both sides of the shard boundary
+    out = {}
+
+    def rank(r, lo, hi):
+        out[r] = vocab_parallel_token_losses(logits[..., lo:hi], ids, group=None, offset=lo)
+
+    threads = [threading.Thread(target=rank, args=a, name=str(a[0])) for a in ((0, 0, 4), (1, 4, 7))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), ids[:, 1:].reshape(-1), reduction="none").view(2, 4)
+    torch.testing.assert_close(out[0], expected)
+    torch.testing.assert_close(out[1], expected)

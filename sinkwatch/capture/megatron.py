@@ -40,11 +40,8 @@ from .tensor_parallel import gather_last_dim
 
 
 def is_megatron_model(obj) -> bool:
-    if "megatron.core" not in sys.modules or not isinstance(obj, nn.Module):
-        return False
-    from megatron.core.models.gpt import GPTModel
-
-    return isinstance(obj, GPTModel)
+    gpt = sys.modules.get("megatron.core.models.gpt.gpt_model")  # loaded by whoever built a GPTModel; never imported here
+    return gpt is not None and isinstance(obj, nn.Module) and isinstance(obj, gpt.GPTModel)
 
 
 def find_megatron_model(obj) -> nn.Module | None:
@@ -131,22 +128,19 @@ class MegatronTarget(ProbeTarget):
     def tp_size(self) -> int:
         return _group_size(self.tp_group)
 
-    def _fit_score_buffer(self, B: int, S: int) -> None:
-        """The local attention's score buffer (Megatron's global memory buffer ``("mpu", dtype)``), grown to
-        this probe forward's [b·heads/TP, s, s] where it lives on the CPU. Megatron grows it itself, but always
-        on ``torch.cuda.current_device()``: a run on CPU pre-fills it for its training shapes, and a probe's
-        micro-batch (``MonitorConfig.batch_tokens``) may need more. On a GPU the buffer is Megatron's to grow."""
-        state = sys.modules.get("megatron.core.parallel_state")
-        memory = state.get_global_memory_buffer() if state is not None and getattr(state, "_GLOBAL_MEMORY_BUFFER", None) else None
-        if memory is None:
-            return
-        core = self._blocks[0].self_attention.core_attention
-        heads = int(getattr(core, "num_attention_heads_per_partition", 0) or 0)
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        held = memory.buffer.get(("mpu", dtype))
-        need = B * heads * S * S
-        if held is not None and held.device.type == "cpu" and held.numel() < need:
-            memory.buffer[("mpu", dtype)] = torch.empty(need, dtype=dtype, device=held.device)
+    def probe_forward_bytes(self, rows: int, seq_len: int, act_bytes: int) -> int:
+        """What one probe forward of ``rows`` x ``seq_len`` allocates beyond the per-token activations
+        (``sinkwatch.probe_memory``): every position's logits on this rank's vocabulary shard (B, S, V/TP), their
+        float copy and the vocabulary-parallel cross-entropy's temporaries (3 x float32); with the local
+        ``DotProductAttention``, its [b·heads/TP, s, s] score buffer, the masked scores and the probabilities
+        (3 x; Transformer Engine's fused attention has none)."""
+        shard = -(-self.vocab_size // self.tp_size)
+        need = 3 * rows * seq_len * shard * 4
+        core = self._blocks[0].self_attention.core_attention if len(self._blocks) else None
+        if type(core).__name__ == "DotProductAttention":
+            heads = int(getattr(core, "num_attention_heads_per_partition", 0) or 0)
+            need += 3 * rows * heads * seq_len * seq_len * act_bytes
+        return need
 
     @contextlib.contextmanager
     def capture(self, collector: Collector):
@@ -159,7 +153,6 @@ class MegatronTarget(ProbeTarget):
             # Megatron's causal mask as its GPT pretraining builds it (True: masked); a None mask would make the
             # local attention build its own on CUDA
             mask = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
-            self._fit_score_buffer(B, S)
             session.begin()
             # (B, S, V/TP): the output layer's own shard of the vocabulary (no gather of every position's logits)
             local = self.model(input_ids, positions, mask, runtime_gather_output=False)
@@ -169,8 +162,11 @@ class MegatronTarget(ProbeTarget):
                 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
                 labels = input_ids[:, 1:].transpose(0, 1).contiguous()  # (S-1, B)
-                # Megatron's own vocabulary-parallel loss (its all-reduces over the tensor-parallel group)
-                losses = vocab_parallel_cross_entropy(local[:, :-1].transpose(0, 1).float().contiguous(), labels).transpose(0, 1)
+                # Megatron's own vocabulary-parallel loss (its all-reduces over the tensor-parallel group). It writes its
+                # input in place (subtracts the max, exponentiates): a copy, since .float().contiguous() of float32
+                # logits with B = 1 is a view of ``local``, whose logits are handed back below
+                shifted = local[:, :-1].transpose(0, 1).float().clone(memory_format=torch.contiguous_format)
+                losses = vocab_parallel_cross_entropy(shifted, labels).transpose(0, 1)
             logits = local if all_logits else local[:, -1:]
             return ProbeForward(gather_last_dim(logits.contiguous(), group), losses)
 
@@ -206,7 +202,10 @@ def _core_hook(module, args, kwargs, output):
 
 
 class _MegatronSession(CaptureSession):
-    """What a Megatron sublayer writes is its output plus the bias it hands back separately."""
+    """What a Megatron sublayer writes is its output plus the bias it hands back separately. Without a bias the
+    output is copied: in eval mode under no_grad Megatron's bias-dropout-add adds the residual into the sublayer's
+    output in place (``_bias_dropout_add_func``'s ``inplace``), which would turn the tensor held here into the next
+    residual stream (and hand it to ``pre_mlp_layernorm`` as if it were a post-norm's input)."""
 
     def _sublayer_out(self, i: int, kind: str):
         def hook(_module, _args, output):
@@ -214,7 +213,7 @@ class _MegatronSession(CaptureSession):
                 return
             out, bias = (output[0], output[1] if len(output) > 1 else None) if isinstance(output, (tuple, list)) else (output, None)
             if isinstance(out, torch.Tensor):
-                self._written[kind] = (i, out if not isinstance(bias, torch.Tensor) else out + bias)
+                self._written[kind] = (i, out.clone() if not isinstance(bias, torch.Tensor) else out + bias)
 
         return hook
 

@@ -45,22 +45,33 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def vocab_parallel_token_losses(local: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
+def shard_offset(x) -> int:
+    """The first vocabulary id of this rank's shard of a DTensor's last axis: from the DTensor's own layout,
+    so an indivisible vocabulary (``Shard(-1)`` of V = 7 over 2 ranks: 4 and 3 ids) is placed right."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    return int(offset[-1])
+
+
+def vocab_parallel_token_losses(local: torch.Tensor, ids: torch.Tensor, group, offset: int | None = None) -> torch.Tensor:
     """Next-token losses (B, S-1) float32 from this rank's vocabulary shard of every position's logits
-    ``local`` (B, S, V/T; rank r holds ids [r·V/T, (r+1)·V/T)): the log-sum-exp and the target's logit
+    ``local`` (B, S, width; it holds ids [offset, offset + width): ``offset`` from the DTensor,
+    ``shard_offset``; None: rank r of equal shards, r·width): the log-sum-exp and the target's logit
     each assembled with an all-reduce over ``group``, as a vocabulary-parallel cross-entropy does."""
     import torch.distributed as dist
 
-    x = local[:, :-1].float()  # (B, S-1, V/T)
+    x = local[:, :-1].float()  # (B, S-1, width)
     targets = ids[:, 1:].to(x.device)
-    rank, width = dist.get_rank(group), x.shape[-1]
+    width = x.shape[-1]
+    start = dist.get_rank(group) * width if offset is None else offset
     top = x.max(dim=-1).values
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     x = x - top[..., None]
     total = x.exp().sum(dim=-1)
     dist.all_reduce(total, group=group)
-    own = (targets >= rank * width) & (targets < (rank + 1) * width)
-    picked = x.gather(-1, (targets - rank * width).clamp(0, width - 1)[..., None])[..., 0]
+    own = (targets >= start) & (targets < start + width)
+    picked = x.gather(-1, (targets - start).clamp(0, width - 1)[..., None])[..., 0]
     target = torch.where(own, picked, torch.zeros_like(picked))
     dist.all_reduce(target, group=group)
     return torch.log(total) - target

@@ -34,7 +34,7 @@ from torch import nn
 from .head import ProbeForward, losses_from_logits
 from .session import CaptureSession, Collector, UnsupportedModelError, active_session, capturing
 from .target import ProbeTarget, model_class_name
-from .tensor_parallel import is_dtensor, vocab_parallel_token_losses, whole
+from .tensor_parallel import is_dtensor, shard_offset, vocab_parallel_token_losses, whole
 
 SUPPORTED = ("Llama3Model", "Qwen3Model")
 
@@ -108,7 +108,8 @@ class TorchtitanTarget(ProbeTarget):
                 # tensor parallelism's loss-parallel output: each rank holds a shard of the vocabulary; the losses are
                 # computed on the shards (vocabulary-parallel), and only the last position's logits gathered
                 local = logits.to_local()
-                losses = vocab_parallel_token_losses(local, input_ids, logits.device_mesh.get_group()) if token_losses else None
+                group = logits.device_mesh.get_group()
+                losses = vocab_parallel_token_losses(local, input_ids, group, shard_offset(logits)) if token_losses else None
                 return ProbeForward(whole(logits if all_logits else logits[:, -1:]), losses)
             logits = whole(logits)
             losses = losses_from_logits(logits, input_ids) if token_losses else None

@@ -122,7 +122,7 @@ def _check_tensor_parallel(tp: TensorParallel) -> None:
         raise ValueError(
             f"sinkwatch: tensor parallelism {tp.size} x data parallelism {tp.dp_size} is not the {world} ranks of the job; "
             "every rank must be one tensor-parallel rank of one data-parallel replica (pipeline and context parallelism "
-            "are not supported live: docs/live.md, \"Layouts\")"
+            "are not supported live: docs/live.md, \"Distributed training\")"
         )
 
 
