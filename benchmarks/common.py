@@ -127,3 +127,18 @@ def _cell(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
     return "" if x is None else str(x)
+
+
+def generated_block(doc_path: Path, name: str, block: str | None = None) -> str:
+    """``doc_path``'s text with its block ``name`` (between ``<!-- NAME:start ... -->`` and ``<!-- NAME:end -->``)
+    replaced by ``block``; ``block`` None: the block as it stands. ValueError without the markers."""
+    doc = Path(doc_path).read_text()
+    start, end = f"<!-- {name}:start", f"<!-- {name}:end -->"
+    if start not in doc or end not in doc:
+        raise ValueError(f"{doc_path} has no generated {name} block ({start} ... -->, {end})")
+    before, rest = doc.split(start, 1)
+    marker, rest = rest.split("-->", 1)
+    current, after = rest.split(end, 1)
+    if block is None:
+        return current.strip("\n")
+    return f"{before}{start}{marker}-->\n{block}\n{end}{after}"
