@@ -10,9 +10,11 @@ Two timelines (docs/stages.md has every rule, threshold and the measurements beh
 ``classify`` applies the rules to one record alone (the ``*_now`` keys). ``StageTracker`` declares
 stages from a sequence of records with hysteresis, a Schmitt trigger: a stage is entered when a
 probe meets its rule and the next ``patience - 1`` probes meet its weaker *hold* rule (every
-threshold moved by ``hold_factor`` in the stage's favour), and a declared stage is left only
-after ``patience`` probes in a row fail its hold rule. One noisy probe neither declares nor undoes
-a stage; each event names the probe where the rule was first met.
+threshold moved in the stage's favour by ``p0_hold_factor`` / ``hold_factor``, each set from its
+keys' measured noise), and a declared stage is left only after ``patience`` probes in a row fail
+its hold rule — on the P0 timeline for any change, on the ordered induction timeline for a
+regression. One noisy probe neither declares nor undoes a stage; each event names the probe where
+the rule was first met and carries that probe's evidence.
 """
 
 from __future__ import annotations
