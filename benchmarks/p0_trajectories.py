@@ -102,9 +102,9 @@ DOC = HERE.parent / "docs" / "stages.md"
 
 def table(out: Path) -> str:
     """One row per committed run: the set-up, its time, and what the tracker at its defaults reads from it."""
-    from sinkwatch import StageTracker
+    from sinkwatch import StageConfig, StageTracker
     from sinkwatch.reporting.jsonl import read_jsonl
-    from sinkwatch.stages import _judged_view
+    from sinkwatch.stages import _judged_view, circuit
 
     lines = [
         "| run | knocked out | steps (probes) | seconds | sink rate, first → last probe "
@@ -116,14 +116,15 @@ def table(out: Path) -> str:
         tracker = StageTracker()
         events = [e for r in records for e in tracker.update(dict(r)) if e.timeline == "p0"]
         first, last = (_judged_view(r)[1] for r in (records[0], records[-1]))
-        conc = last.get("p0_concentration")
-        layer = last.get("circuit_layer")
-        circuit = f"{'–' if layer is None else layer}, {last.get('rho_max', float('nan')):.1f}, {'–' if conc is None else f'{conc:.2f}'}"
+        found = circuit(last, StageConfig(), bos=_judged_view(records[-1])[0] == "bos")  # as the rules read it now
+        conc = None if found["p0_concentration"] != found["p0_concentration"] else found["p0_concentration"]
+        layer = found["circuit_layer"]
+        reading = f"{'–' if layer is None else layer}, {last.get('rho_max', float('nan')):.1f}, {'–' if conc is None else f'{conc:.2f}'}"
         evs = "; ".join(f"{e.previous} → {e.stage} at {e.step} ({e.first_met_step})" for e in events)
         blocks = ", ".join(map(str, run["knocked_out"]))
         lines.append(
             f"| `{folder.name}` | MLP {blocks} | {run['run']['steps']} ({len(records)}) | {run['seconds']:,.0f} | "
-            f"{max(first['sink_profile']):.2f} → {max(last['sink_profile']):.2f} | {circuit} | {evs} |"
+            f"{max(first['sink_profile']):.2f} → {max(last['sink_profile']):.2f} | {reading} | {evs} |"
         )
     return "\n".join(lines)
 

@@ -353,8 +353,10 @@ def p0_circuit(
       embeddings): where the amplification happens; None when nothing is amplified (below);
     - ``p0_persistence``: the share of the blocks after the largest-gain block whose rho stays >=
       ``min_ratio`` (NaN when it is the last block: nothing after it can anchor on it);
-    - ``p0_concentration``: the share of log rho_max gained within blocks 0..``shallow_blocks``-1,
-      both measured from the embeddings, clipped to [0, 1]. The P0 paper's signal: the circuit
+    - ``p0_concentration``: the share of log rho_max already reached by the end of block
+      ``shallow_blocks``-1 (max log rho over blocks 0..shallow_blocks-1, over log rho_max), clipped to
+      [0, 1]; measured from 1 (not amplified), so a position 0 set apart by the embeddings themselves (a
+      learned position embedding) counts as shallow. The P0 paper's signal: the circuit
       concentrates in blocks 0-1 as training converges. Unlike the emergence block it moves
       continuously when two blocks amplify alike (the stage rules read it, not the block). NaN when
       nothing is amplified;
@@ -394,10 +396,9 @@ def p0_circuit(
     if not amplified:
         return out
     out["p0_emergence_block"] = e
-    span = log_rho[top] - math.log(base)
-    if rho[top] > 1 and span > 0:
+    if rho[top] > 1:
         shallow = np.nanmax(np.concatenate([log_rho[:shallow_blocks], [-np.inf]]))
-        out["p0_concentration"] = float(np.clip((shallow - math.log(base)) / span, 0.0, 1.0))
+        out["p0_concentration"] = float(np.clip(shallow / log_rho[top], 0.0, 1.0))
     stable = consistency is None or np.nan_to_num(np.asarray(consistency, dtype=float)[e], nan=-np.inf) >= min_consistency
     if rho[e] >= min_ratio and persistence >= min_persistence and stable:  # NaN persistence fails
         out["circuit_layer"] = e

@@ -216,8 +216,7 @@ def p0_circuit(rho, rho_emb, consistency, R: float, C: float, P: float, shallow:
     top = max(range(L), key=lambda l: rho[l])
     later = [rho[l] >= R for l in range(e + 1, L)]
     persistence = sum(later) / len(later) if later else np.nan
-    span = logs[top + 1] - logs[0]
-    concentration = min(1.0, max(0.0, (max(logs[1 : shallow + 1]) - logs[0]) / span)) if rho[top] > 1 and span > 0 else np.nan
+    concentration = min(1.0, max(0.0, max(logs[1 : shallow + 1]) / logs[top + 1])) if rho[top] > 1 else np.nan  # from 1: not amplified
     # amplified: some block >= R with >= P of the blocks after it >= R; else no emergence block, no concentration
     amplified = any(rho[b] >= R and b + 1 < L and sum(rho[k] >= R for k in range(b + 1, L)) / (L - b - 1) >= P for b in range(L))
     ok = rho[e] >= R and persistence >= P and (consistency is None or consistency[e] >= C)

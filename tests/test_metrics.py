@@ -63,7 +63,8 @@ def test_p0_circuit_emergence_persistence_concentration():
     assert wobbly["p0_emergence_block"] == 5 and wobbly["p0_concentration"] > 0 and wobbly["circuit_layer"] is None
     # gains are measured from the embeddings; nothing above 1: no concentration
     assert M.p0_circuit(np.array([30.0, 30.0]), 1.0, None, **kw)["p0_concentration"] == 1.0
-    assert np.isnan(M.p0_circuit(np.array([30.0, 30.0]), 30.0, None, **kw)["p0_concentration"])  # the embeddings were already x30
+    # the embeddings already set position 0 apart (a learned position embedding): as shallow as it gets
+    assert M.p0_circuit(np.array([30.0, 30.0]), 30.0, None, **kw)["p0_concentration"] == 1.0
     flat = M.p0_circuit(np.array([0.9, 0.95]), 1.0, None, **kw)
     assert np.isnan(flat["p0_concentration"]) and flat["circuit_layer"] is None
     last = M.p0_circuit(np.array([1.0, 1.0, 50.0]), 1.0, None, **kw)  # the last block: nothing after it to persist
