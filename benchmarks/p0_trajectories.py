@@ -104,7 +104,7 @@ def table(out: Path) -> str:
     """One row per committed run: the set-up, its time, and what the tracker at its defaults reads from it."""
     from sinkwatch import StageConfig, StageTracker
     from sinkwatch.reporting.jsonl import read_jsonl
-    from sinkwatch.stages import _judged_view, circuit
+    from sinkwatch.stages import circuit, judged_view
 
     lines = [
         "| run | knocked out | steps (probes) | seconds | sink rate, first → last probe "
@@ -115,8 +115,9 @@ def table(out: Path) -> str:
         run, records = json.loads((folder / "run.json").read_text()), read_jsonl(folder / "records.jsonl")
         tracker = StageTracker()
         events = [e for r in records for e in tracker.update(dict(r)) if e.timeline == "p0"]
-        first, last = (_judged_view(r)[1] for r in (records[0], records[-1]))
-        found = circuit(last, StageConfig(), bos=_judged_view(records[-1])[0] == "bos")  # as the rules read it now
+        first = judged_view(records[0])[1]
+        anchor, last = judged_view(records[-1])
+        found = circuit(last, StageConfig(), bos=anchor == "bos")  # as the rules read it now
         conc = None if found["p0_concentration"] != found["p0_concentration"] else found["p0_concentration"]
         layer = found["circuit_layer"]
         reading = f"{'–' if layer is None else layer}, {last.get('rho_max', float('nan')):.1f}, {'–' if conc is None else f'{conc:.2f}'}"

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # common, when loaded 
 from common import generated_block  # noqa: E402
 
 from sinkwatch import StageConfig  # noqa: E402
-from sinkwatch.stages import _judged_view, _Lean, circuit  # noqa: E402
+from sinkwatch.stages import _Lean, circuit, judged_view  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "stages.md"
@@ -54,8 +54,8 @@ def robust_sigma(xs, near=None) -> float | None:
     """1.4826 median|second difference| / sqrt(6) over consecutive finite values; with ``near``, only the
     triples whose middle value it accepts (the region where the threshold decides). None below 3 triples."""
     x = np.asarray([np.nan if v is None or not math.isfinite(v) else v for v in xs], dtype=float)
-    d2 = [x[i + 1] - 2 * x[i] + x[i - 1] for i in range(1, len(x) - 1) if np.isfinite(x[i - 1 : i + 2]).all()]
-    d2 = [d for d, i in zip(d2, [i for i in range(1, len(x) - 1) if np.isfinite(x[i - 1 : i + 2]).all()]) if near is None or near(x[i])]
+    middles = [i for i in range(1, len(x) - 1) if np.isfinite(x[i - 1 : i + 2]).all() and (near is None or near(x[i]))]
+    d2 = [x[i + 1] - 2 * x[i] + x[i - 1] for i in middles]
     if len(d2) < 3:
         return None
     return float(1.4826 * np.median(np.abs(d2)) / math.sqrt(6))
@@ -73,7 +73,7 @@ class Key:
 
 
 def p0_numbers(record: dict, cfg: StageConfig) -> dict:
-    anchor, view = _judged_view(record)
+    anchor, view = judged_view(record)
     if view.get("sink_profile") is None or view.get("p0_norm_ratio") is None:
         return {}
     profile = np.nan_to_num(np.asarray(view["sink_profile"], dtype=float))

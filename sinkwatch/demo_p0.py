@@ -193,6 +193,7 @@ def run_p0_demo(*, out: str = "sinkwatch-demo-p0", model: str | None = None, ste
     import json
 
     from .report import build_report
+    from .reporting.jsonl import read_jsonl
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -201,11 +202,8 @@ def run_p0_demo(*, out: str = "sinkwatch-demo-p0", model: str | None = None, ste
         from .gguf import dense_from_gguf
 
         path = dense_from_gguf(path)
-    events: list[dict] = []
     summary = run_knockout(path, out, KnockoutRun(steps=steps, every=every, windows=max(DEMO_WINDOWS, steps * KnockoutRun.batch)),
                            threads=threads, wandb=wandb)  # fmt: skip
-    from .reporting.jsonl import read_jsonl
-
     events = read_jsonl(Path(out) / "events.jsonl") if (Path(out) / "events.jsonl").exists() else []
     report = build_report([Path(out)])
     records = read_jsonl(Path(out) / "records.jsonl")

@@ -228,7 +228,9 @@ def p0_views(record: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return dict(record["p0_anchor_views"]) if record.get("p0_anchor_views") else {"position": record}
 
 
-def _judged_view(record: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+def judged_view(record: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """(anchor, the numbers the P0 stage is judged on): the anchor the record names, else the BOS view when the
+    windows start with one, else the record itself."""
     views = p0_views(record)
     anchor = record.get("p0_anchor") or ("bos" if "bos" in views else "position")  # no circuit: the windows as fed
     return anchor, views[anchor]
@@ -240,7 +242,7 @@ def _p0_usable(view: Mapping[str, Any]) -> bool:
 
 def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, dict]:
     """P0 stage of one record alone, judged on the anchor the record names, and the evidence."""
-    anchor, view = _judged_view(record)
+    anchor, view = judged_view(record)
     if not _p0_usable(view):
         return "none", {"reason": "no (finite) sink statistics"}
     facts = _P0Facts(view, config, bos=anchor == "bos", lean=_Lean(None))
@@ -265,7 +267,7 @@ def classify_p0(record: Mapping[str, Any], config: StageConfig) -> tuple[str, di
 
 def p0_holds(record: Mapping[str, Any], stage: str, config: StageConfig) -> bool:
     """Whether ``record`` meets ``stage``'s hold rule: its rule with every threshold leaning its way."""
-    anchor, view = _judged_view(record)
+    anchor, view = judged_view(record)
     if not _p0_usable(view):
         return stage == "none"
     return P0_RULES[stage](_P0Facts(view, config, bos=anchor == "bos", lean=_Lean(config.p0_hold_factor)))

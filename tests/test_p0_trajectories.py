@@ -12,6 +12,7 @@ short real run (`sinkwatch demo --p0 --steps 5`) reproduces the start of the com
 import json
 from pathlib import Path
 
+import benchmark_scripts
 import pytest
 from real_models import smollm2_dir
 
@@ -80,14 +81,7 @@ def test_every_declared_p0_event_is_a_settled_change_and_none_is_a_regression(na
 def test_docs_table_is_the_committed_runs():
     """docs/stages.md's table of the real trajectories is what the committed runs read now
     (regenerate: python benchmarks/p0_trajectories.py --write)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "p0_trajectories.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_p0_trajectories", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("p0_trajectories")
     assert bench.generated_block(bench.DOC, "trajectories") == bench.table(DATA), (
         "docs/stages.md is stale: python benchmarks/p0_trajectories.py --write"
     )

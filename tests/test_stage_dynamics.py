@@ -4,9 +4,7 @@ evidence, and the published tables across the hysteresis settings. Every record 
 numbers a probe writes (rho per block, the centred consistency, the Sink_k profile), so the P0 rules
 recompute the circuit from them, as they do on a stored run."""
 
-import sys
-from pathlib import Path
-
+import benchmark_scripts
 import numpy as np
 import pytest
 
@@ -152,22 +150,11 @@ def test_an_alerts_evidence_comes_from_the_probe_that_met_the_rule():
     assert events[0].evidence["heads_ge50"] == 3 >= events[0].evidence["min_heads"]
 
 
-def _benchmark(name):
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name", ["stage_sensitivity", "stage_noise"])
 def test_docs_tables_are_the_benchmarks_output(name):
     """docs/stages.md's sensitivity and noise tables are what their scripts compute now, from the published
     tables and the committed trajectories (regenerate: python benchmarks/NAME.py --write)."""
-    bench = _benchmark(name)
+    bench = benchmark_scripts.load(name)
     block = bench.table() if name == "stage_sensitivity" else bench.table(*bench.measure())
     marker = "sensitivity" if name == "stage_sensitivity" else "noise"
     assert bench.generated_block(bench.DOC, marker) == block, f"docs/stages.md is stale: python benchmarks/{name}.py --write"
@@ -176,10 +163,10 @@ def test_docs_tables_are_the_benchmarks_output(name):
 def test_the_defaults_sit_inside_the_noise_bounds_and_keep_the_papers_milestones():
     """p0_hold_factor and hold_factor are no tighter than their keys' noise allows, and at the defaults
     every published table's `formed` is first met at the paper's milestone."""
-    _, bound = _benchmark("stage_noise").measure()
+    _, bound = benchmark_scripts.load("stage_noise").measure()
     cfg = StageConfig()
     assert cfg.p0_hold_factor <= bound["p0"] and cfg.hold_factor <= bound["induction"]
-    sensitivity = _benchmark("stage_sensitivity")
+    sensitivity = benchmark_scripts.load("stage_sensitivity")
     from sinkwatch import findings as F
 
     for model, milestone in F.PAPER_INDUCTION_MILESTONES_B.items():

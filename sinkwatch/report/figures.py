@@ -11,8 +11,8 @@ import numpy as np
 from .. import findings as F
 from ..records import best_induction_score, n_sink_heads, softmax_heads
 from ..reporting.figures import _plt, record_heatmaps, save
-from ..stages import INDUCTION_STATES, P0_STAGES
-from .axes import SINK_FRACTION_LABEL, _empty, _final_layers_axes, _legend, _log_axis, _plot, _saved, _xaxis
+from ..stages import INDUCTION_STATES, P0_STAGES, judged_view
+from .axes import SINK_FRACTION_LABEL, _empty, _final_layers_axes, _legend, _log_axis, _plot, _saved, _x_label, _xaxis
 from .store import Store
 
 
@@ -112,20 +112,12 @@ def figure_stages(stores, out: Path) -> str:
     return _saved(fig, out, "stage_timeline.png")
 
 
-def _judged_view(record: dict) -> dict:
-    """The numbers the P0 stage was judged on: the deciding anchor's view (the BOS's when windows start with one)."""
-    views = record.get("p0_anchor_views")
-    if not views:
-        return record
-    return views.get(record.get("p0_anchor") or "bos", record)
-
-
 def figure_p0_profile(stores, out: Path) -> str | None:
     """Where position 0 is amplified, probe by probe: log10 of its norm ratio after each block (the first
     store), and the share of it gained in blocks 0-1 (``p0_concentration``) beside the sink rate."""
     plt = _plt()
     first = stores[0]
-    rows = [_judged_view(r).get("p0_norm_ratio") for r in first.records]
+    rows = [judged_view(r)[1].get("p0_norm_ratio") for r in first.records]
     if not rows or any(r is None for r in rows) or len({len(r) for r in rows}) != 1:
         return None
     rho = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=float)
@@ -134,12 +126,12 @@ def figure_p0_profile(stores, out: Path) -> str | None:
     im = a1.imshow(np.log10(np.clip(rho.T, 1e-3, None)), aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
     ticks = np.linspace(0, len(x) - 1, min(len(x), 6)).round().astype(int)
     a1.set_xticks(ticks, [f"{x[i]:g}" for i in ticks])
-    a1.set_xlabel(f"{_x_label_of(first)} (probe)")
+    a1.set_xlabel(f"{_x_label([first])} (probe)")
     a1.set_ylabel("block")
     a1.set_title("log10 of position 0's norm ratio after each block" + (f" ({first.label})" if len(stores) > 1 else ""), fontsize=9)
     fig.colorbar(im, ax=a1, fraction=0.046)
     for i, s in enumerate(stores):
-        views = [_judged_view(r) for r in s.records]
+        views = [judged_view(r)[1] for r in s.records]
         shares = [v.get("p0_concentration") for v in views]
         _plot(a2, s.x(), shares, color=f"C{i}", marker="o", label=f"{s.label} concentration (blocks 0-1)")
         _plot(a2, s.x(), [v.get("sink_rate") for v in views], color=f"C{i}", ls="--", alpha=0.7, label=f"{s.label} sink rate")
@@ -149,10 +141,6 @@ def figure_p0_profile(stores, out: Path) -> str | None:
     _legend(a2)
     a2.grid(alpha=0.3)
     return _saved(fig, out, "p0_circuit.png")
-
-
-def _x_label_of(store) -> str:
-    return "tokens" if store.has_tokens else "step"
 
 
 def figure_sink_rate(stores, out: Path) -> str | None:
