@@ -1,8 +1,10 @@
 """sinkwatch: watch attention sinks and induction heads form while a language model trains."""
 
+from . import _moved
 from .capture import CustomTarget, HFTarget, ProbeTarget, UnsupportedModelError, attend, find_transformers_model
 from .kernels import AttentionStats, attention_stats
-from .monitor import Monitor, MonitorConfig
+from .probe.monitor import Monitor, MonitorConfig
+from .probe.snapshot import Snapshot
 from .probes import (
     InductionProbe,
     NaturalProbe,
@@ -12,10 +14,12 @@ from .probes import (
     make_natural_probe,
     make_repeated_random_probe,
 )
-from .snapshot import Snapshot
+from .records import VERSION
 from .stages import StageConfig, StageEvent, StageTracker
 
-__version__ = "0.1.0"
+_moved.install()  # the old and short import paths (sinkwatch.monitor, sinkwatch.hf, ...): sinkwatch._moved
+
+__version__ = VERSION
 
 __all__ = [
     "AttentionStats",

@@ -80,6 +80,9 @@ def n_sink_heads(record: Mapping[str, Any]) -> int | None:
     return None if per_layer is None else int(sum(n for n in per_layer if n is not None))
 
 
+VERSION = "0.1.0"  # sinkwatch's (``sinkwatch.__version__``, the package metadata's): every record says it
+
+
 # ---- where a record was made (docs/design.md §10: every record, live, probe and replay) ----------------------------------
 def versions() -> dict[str, str]:
     """The versions a record was made with (docs/design.md §10)."""
@@ -87,10 +90,8 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
-
     return {
-        "sinkwatch": __version__,
+        "sinkwatch": VERSION,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "huggingface_hub": huggingface_hub.__version__,

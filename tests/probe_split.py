@@ -187,9 +187,9 @@ def run_case(case: str, out: Path) -> dict:
 
 def main(out: str) -> None:
     import sinkwatch.capture.head
-    import sinkwatch.monitor
+    import sinkwatch.probe.runs
 
-    sinkwatch.monitor.PAPER_PR_SEQUENCES = PAPER_PR  # the paper's 500, scaled to these probes
+    sinkwatch.probe.runs.PAPER_PR_SEQUENCES = PAPER_PR  # the paper's 500, scaled to these probes
     sinkwatch.capture.head.FALLBACK_BYTES = 1  # one sequence per extra forward: as many as each rank's share has rows
     torch.set_num_threads(1)
     faulthandler.enable()

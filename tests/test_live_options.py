@@ -112,7 +112,7 @@ def test_setup_decides_which_rank_probes(tmp_path):
 def test_split_probe_false_is_refused_only_under_tensor_parallelism(tmp_path, monkeypatch, tp_size):
     """split_probe=False: refused with tensor-parallel groups (their ranks must probe together), allowed for
     Megatron's data parallelism alone (TP size 1: rank 0 may probe every sequence alone)."""
-    import sinkwatch.live as live_module
+    import sinkwatch.live.monitor as live_module
     from sinkwatch.distributed import TensorParallel
 
     class Reached(Exception):

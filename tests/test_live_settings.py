@@ -322,7 +322,7 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
     from tiny_models import build
     from train_helpers import LitLM, loader, trainer
 
-    import sinkwatch.live
+    import sinkwatch.live.monitor
     from sinkwatch.distributed import ProbeNotReady
     from sinkwatch.lightning import SinkWatchCallback
     from sinkwatch.reporting.base import Reporter
@@ -332,7 +332,7 @@ def test_a_memory_skip_is_retried_next_step_and_every_reporter_sees_it(tmp_path,
         if run.global_step in (4, 5, 8):
             raise ProbeNotReady(f"0.10 GiB free on cuda:0, the probe needs at least 0.50 GiB (step {run.global_step})")
 
-    monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
+    monkeypatch.setattr(sinkwatch.live.monitor, "check_probe_memory", memory)
 
     class Skips(Reporter):
         name = "skips"
@@ -366,7 +366,7 @@ def test_a_memory_skip_is_retried_with_a_backoff(tmp_path, monkeypatch):
     all-reduce and an all_gather_object at every one of steps 17 to 31)."""
     from tiny_models import build
 
-    import sinkwatch.live
+    import sinkwatch.live.monitor
     from sinkwatch.distributed import ProbeNotReady
     from sinkwatch.live import LiveConfig, LiveMonitor
     from sinkwatch.reporting.jsonl import read_jsonl
@@ -378,7 +378,7 @@ def test_a_memory_skip_is_retried_with_a_backoff(tmp_path, monkeypatch):
         if 16 <= now["step"] <= 25:
             raise ProbeNotReady("0.10 GiB available on cuda:0, the probe needs about 0.50 GiB")
 
-    monkeypatch.setattr(sinkwatch.live, "check_probe_memory", memory)
+    monkeypatch.setattr(sinkwatch.live.monitor, "check_probe_memory", memory)
     live = LiveMonitor(LiveConfig(every_n_steps=16, probes=small_probes(), **quiet(tmp_path)))
     live.setup(build("llama"), is_global_zero=True)
     now = {}

@@ -228,7 +228,7 @@ class ProbeGroup:
         left inside a sum the others never join)."""
         if self.size == 1:
             return None
-        from ..probe_share import ProbeShare
+        from ..probe.share import ProbeShare
 
         def combine(tensor: torch.Tensor) -> None:
             if not self.agree(COMBINE, token)[0]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..reporting.figures import save
+from ..reporters.figures import save
 from .markdown import _tokens
 
 if TYPE_CHECKING:

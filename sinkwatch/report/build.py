@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import findings as F
+from . import findings as F
 from .axes import _x_label
 from .figures import (
     figure_final_layers,
@@ -51,10 +51,15 @@ def build_report(
     ]
     heatmaps = [n for i, s in enumerate(loaded) for n in figure_heatmaps(s, out, i)]
     md = ["# sinkwatch report", ""]
-    md += ["Stores:", ""] + [
-        f"- `{s.path}`: {s.label}, {len(s.records)} records, protocol **{s.protocol}**" + (f" ({s.segment_note})" if s.segment_note else "")
-        for s in loaded
-    ] + [""]
+    md += (
+        ["Stores:", ""]
+        + [
+            f"- `{s.path}`: {s.label}, {len(s.records)} records, protocol **{s.protocol}**"
+            + (f" ({s.segment_note})" if s.segment_note else "")
+            for s in loaded
+        ]
+        + [""]
+    )
     for name in figures:
         if name:
             md += [_image(name), ""]

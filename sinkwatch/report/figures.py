@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import findings as F
 from ..records import best_induction_score, n_sink_heads, softmax_heads
-from ..reporting.figures import _plt, record_heatmaps, save
+from ..reporters.figures import _plt, record_heatmaps, save
 from ..stages import INDUCTION_STATES, P0_STAGES, judged_view
+from . import findings as F
 from .axes import SINK_FRACTION_LABEL, _empty, _final_layers_axes, _legend, _log_axis, _plot, _saved, _x_label, _xaxis
 from .store import Store
 

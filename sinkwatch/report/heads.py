@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .. import findings as F
-from ..reporting.figures import _plt
+from ..reporters.figures import _plt
+from . import findings as F
 from .axes import _empty, _saved
 from .markdown import _image
 from .paper import PROTOCOL_NOTE

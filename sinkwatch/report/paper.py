@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .. import findings as F
 from ..metrics import head_index
+from . import findings as F
 from .markdown import _fmt, _tokens, _value
 from .store import Store
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import findings as F
 from ..metrics import head_index
-from ..reporting.figures import _plt
+from ..reporters.figures import _plt
+from . import findings as F
 from .axes import SINK_FRACTION_LABEL, _final_layers_axes, _legend, _plot, _saved, _xaxis
 from .markdown import _fmt, _image, _tokens, _write_markdown
 

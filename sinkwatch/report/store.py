@@ -12,12 +12,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import findings as F
 from ..replay import duplicate_groups, failed_revisions, merged_records, read_ablation
 from ..replay.provenance import moved_branches
 from ..replay.revisions import order_key
 from ..replay.store import stored_records
-from ..reporting.jsonl import read_jsonl
+from ..reporters.jsonl import read_jsonl
+from . import findings as F
 
 
 class Store:

@@ -32,7 +32,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from .live import LiveConfig, LiveMonitor
+from ..live import LiveConfig, LiveMonitor
 
 _latest: weakref.ref | None = None  # the callback the user built most recently in this process
 # transformers saves a callback's arguments as JSON: the options typed with plain scalars survive
@@ -219,7 +219,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
             return
         from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-        from .reporting.trainer_integrations import TrainerIntegrationsReporter, TrainerRun
+        from ..reporters.trainer_integrations import TrainerIntegrationsReporter, TrainerRun
 
         kinds = tuple(INTEGRATION_TO_CALLBACK.values())
         integrations = [cb for cb in handler.callbacks if isinstance(cb, kinds)]

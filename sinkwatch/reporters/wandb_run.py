@@ -98,6 +98,8 @@ def wandb_mode_from_env(flag: str | None, default: str = "offline") -> str:
     if env not in WANDB_ENV_MODES:
         raise ValueError(f"WANDB_MODE={env!r} is not one of {', '.join(WANDB_ENV_MODES)}; fix or unset it, or pass --wandb")
     return WANDB_ENV_MODES[env]
+
+
 def wandb_reporter(
     option: str,
     *,

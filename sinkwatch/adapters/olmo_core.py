@@ -38,9 +38,9 @@ from olmo_core.distributed.utils import get_rank, get_world_size
 from olmo_core.train.callbacks import Callback, SlackNotifierCallback, WandBCallback
 from olmo_core.train.callbacks.slack_notifier import SLACK_WEBHOOK_URL_ENV_VAR
 
-from .live import LiveConfig, LiveMonitor
-from .reporting.base import Reporter
-from .reporting.wandb_run import scalars
+from ..live import LiveConfig, LiveMonitor
+from ..reporters.base import Reporter
+from ..reporters.wandb_run import scalars
 
 SLACK_TIMEOUT_S = 10.0
 
@@ -95,7 +95,7 @@ def _wandb_alerts_reporter(run, heatmap_every: int) -> Reporter:
     """Events (alerts, summary) and figures into the W&B callback's run; no scalars: those reach
     the run through ``record_metric`` at the trainer's step, and a second, stepless ``run.log`` of
     them would push W&B's step past the trainer's."""
-    from .reporting.wandb_run import WandbReporter
+    from ..reporters.wandb_run import WandbReporter
 
     class WandbAlertsReporter(WandbReporter):
         def log_record(self, record: dict[str, Any]) -> None:

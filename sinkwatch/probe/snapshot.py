@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .records import jsonable
+from ..records import jsonable
 
 # Keys of docs/design.md §10 in the order records are written. Values that the configured probes cannot
 # produce are absent from a record, never zero. Hybrid stacks: every attention-derived [L] / [L][H]
@@ -22,7 +22,6 @@ RECORD_KEYS = (
     "p0_norm_ratio", "p0_direction_consistency", "circuit_layer", "p0_anchor",
     "p0_stage", "induction_state", "p0_stage_now", "induction_state_now",
 )  # fmt: skip
-
 
 
 def combined_probe_hash(hashes: Mapping[str, str]) -> str:

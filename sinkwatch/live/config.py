@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .monitor import MonitorConfig
-from .probes import LIVE_PROBES
-from .reporting.base import Reporter
-from .reporting.wandb_run import WANDB_MODES
-from .stages import StageConfig
+from ..probe.monitor import MonitorConfig
+from ..probes import LIVE_PROBES
+from ..reporters.base import Reporter
+from ..reporters.wandb_run import WANDB_MODES
+from ..stages import StageConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,9 +35,8 @@ from typing import Any, Literal
 
 from torchtitan.trainer import Trainer
 
-from .fabric import _broadcast, state_from_store
-from .live import LiveConfig, LiveMonitor
-from .reporting.base import Reporter
+from ..live import LiveConfig, LiveMonitor
+from ..reporters.base import Reporter
 
 TESTED_TORCHTITAN = "0.3.0"
 __all__ = ["TESTED_TORCHTITAN", "MetricsLoggerReporter", "SinkWatchOptions", "SinkWatchTrainer", "sinkwatch_config"]
@@ -74,7 +73,7 @@ class MetricsLoggerReporter(Reporter):
         self.metrics_processor = metrics_processor
 
     def log_record(self, record: dict[str, Any]) -> None:
-        from .reporting.trackers import tracker_scalars
+        from ..reporters.trackers import tracker_scalars
 
         metrics = tracker_scalars(record)
         if metrics:
@@ -145,11 +144,7 @@ class SinkWatchTrainer(Trainer):
         if getattr(self, "sinkwatch", None) is None or not self.step:
             return
         self._sinkwatch_start = False
-        cfg = self.sinkwatch.config
-        state = state_from_store(cfg.out_dir, self.step, cfg.monitor.stages) if self.sinkwatch.rank.reports_here else None
-        state = _broadcast(state)
-        if state is not None:
-            self.sinkwatch.load_state_dict(state)
+        self.sinkwatch.resume_from_store(self.step)
 
 
 def _tensor_parallel(pd, config, dp: int):
@@ -169,7 +164,7 @@ def _tensor_parallel(pd, config, dp: int):
             "over the data-parallel axes too, layouts sinkwatch has not been tested on. Set --parallelism.spmd_backend "
             "partial_dtensor, or probe the checkpoints afterwards"
         )
-    from .distributed import TensorParallel
+    from ..distributed import TensorParallel
 
     tp_mesh = pd.get_mesh("tp")
     batch = pd.get_optional_mesh("batch")

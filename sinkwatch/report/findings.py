@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from . import metrics
-from .records import n_sink_heads, softmax_heads
+from .. import metrics
+from ..records import n_sink_heads, softmax_heads
 
 MIN_HEADS = 3  # the paper's "induction formed": >= 3 heads at >= 50x
 RECALL_MILESTONE = 2 / 3

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import metrics
-from .capture.sublayers import SUBLAYER_KINDS
-from .kernels import AttentionOutput, attention_stats
+from .. import metrics
+from ..capture.sublayers import SUBLAYER_KINDS
+from ..kernels import AttentionOutput, attention_stats
 
 
 def eager_half_rows(query, key, scaling, rows, cols, *, window=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:

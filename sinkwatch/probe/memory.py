@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .capture.head import LOSS_CHUNK_BYTES
+from ..capture.head import LOSS_CHUNK_BYTES
 
 WORKSPACE_BYTES = 64 * 2**20
 GIB = 2**30
@@ -207,7 +207,7 @@ def check_probe_memory(target, sets, batch_tokens: int, *, ranks: int = 1, dtype
     ``ProbeNotReady`` naming a ``batch_tokens`` that fits."""
     if target.device.type != "cuda":
         return
-    from .distributed import ProbeNotReady
+    from ..distributed import ProbeNotReady
 
     verdict = memory_verdict(target, sets, batch_tokens, available_bytes(target.device), ranks=ranks, dtype=dtype, outer=outer)
     if verdict is not None:

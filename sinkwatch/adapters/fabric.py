@@ -47,18 +47,15 @@ Lightning adapter writes them.
 from __future__ import annotations
 
 import atexit
-import json
 import warnings
 from dataclasses import fields
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .live import STATE_VERSION, LiveConfig, LiveMonitor
-from .reporting.base import MultiReporter, Reporter
-from .reporting.jsonl import PROBES_FILE, read_jsonl
+from ..live import LiveConfig, LiveMonitor
+from ..reporters.base import MultiReporter, Reporter
 
 TESTED_LITGPT = "0.5.13"  # the litgpt release the LitGPT capture and this adapter were tested with
 
@@ -192,8 +189,7 @@ class SinkWatchFabricCallback:
         after its first optimizer step, when no forward went through the module: step 0 is not probed)."""
         done = optimizer_steps(optimizer) if optimizer is not None else None
         if done is None:
-            last = _last_stored_step(self.config.out_dir) if self.live.rank.reports_here else None
-            done = _broadcast(last) or 0
+            done = self.live.last_stored_step() or 0
             self.live._warn(
                 "step",
                 f"sinkwatch: the optimizer's state holds no step count; counting from step {done} (the store's last record)",
@@ -208,11 +204,8 @@ class SinkWatchFabricCallback:
                 )
             return
         self.resumed_from = done
-        stages = self.config.monitor.stages
-        state = state_from_store(self.config.out_dir, done, stages) if self.live.rank.reports_here else None
-        state = _broadcast(state)
+        state = self.live.resume_from_store(done)
         if state is not None:
-            self.live.load_state_dict(state)
             since = state.get("last_probed_step") or 0
             stored = state.get("config_hash")
             if stored is not None and stored != self.live.config_hash and self.live.tracker_since_step != since:
@@ -253,59 +246,6 @@ def optimizer_steps(optimizer) -> int | None:
     if not steps:
         return None
     return int(max(float(s) for s in steps))
-
-
-def state_from_store(out_dir, step: int, stages) -> dict | None:
-    """The live callback's state at optimizer step ``step``, rebuilt from its store (``probes.json`` and
-    the records up to ``step``), or None when the store holds nothing. The stage tracker is re-fed the
-    stored records of the current segment (same ``config_hash``, from ``tracker_since_step`` on)."""
-    from .stages import StageTracker
-
-    root = Path(out_dir)
-    probes_file = root / PROBES_FILE
-    probes = json.loads(probes_file.read_text()) if probes_file.is_file() else {}
-    records = [r for r in read_jsonl(root / "records.jsonl") if r.get("step") is not None and "error" not in r]
-    if not probes and not records:
-        return None
-    kept = sorted((r for r in records if r["step"] <= step), key=lambda r: r["step"])
-    last = kept[-1] if kept else None
-    tracker = None
-    if last is not None:
-        since = last.get("tracker_since_step") or 0
-        segment = [r for r in kept if r.get("config_hash") == last.get("config_hash") and r["step"] >= since]
-        t = StageTracker(stages)
-        for r in segment:
-            t.update(dict(r))
-        tracker = t.state_dict()
-    return {
-        "version": STATE_VERSION,
-        "probe_hashes": probes.get("probe_hashes"),
-        "probe_params": probes.get("probe_params"),
-        "natural_tokens": probes.get("natural_tokens"),
-        "natural_params": probes.get("natural_params"),
-        "tracker": tracker,
-        "last_probed_step": None if last is None else last["step"],
-        "tokens_seen": (last.get("tokens") or 0) if last is not None else 0,
-        "n_probes": len(kept),
-        "config_hash": None if last is None else last.get("config_hash"),
-        "tracker_since_step": 0 if last is None else int(last.get("tracker_since_step") or 0),
-    }
-
-
-def _last_stored_step(out_dir) -> int | None:
-    steps = [r["step"] for r in read_jsonl(Path(out_dir) / "records.jsonl") if isinstance(r.get("step"), int)]
-    return max(steps) if steps else None
-
-
-def _broadcast(obj):
-    """Global rank 0's ``obj`` on every rank (itself without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _refuse_strategy(strategy) -> None:
@@ -365,7 +305,7 @@ class FabricReporter(Reporter):
         self.fabric = fabric
 
     def log_record(self, record: dict[str, Any]) -> None:
-        from .reporting.trackers import tracker_scalars
+        from ..reporters.trackers import tracker_scalars
 
         metrics = tracker_scalars(record)
         if metrics:
@@ -375,7 +315,7 @@ class FabricReporter(Reporter):
 def fabric_reporter(fabric) -> Reporter:
     """Scalars to the Fabric loggers (``fabric.log_dict``; the non-W&B loggers one by one when a WandbLogger
     is attached, whose run the W&B reporter logs to), events to the loggers that can hold text."""
-    from .reporting.lightning_loggers import LoggerReporter, event_writer, is_wandb_logger
+    from ..reporters.lightning_loggers import LoggerReporter, event_writer, is_wandb_logger
 
     loggers = list(getattr(fabric, "loggers", []) or [])
     if not loggers:

@@ -35,8 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fabric import _broadcast, state_from_store
-from .live import LiveConfig, LiveMonitor
+from ..live import LiveConfig, LiveMonitor
 
 TESTED_MEGATRON_CORE = "0.16.1"
 __all__ = ["TESTED_MEGATRON_CORE", "SinkWatchMegatron", "megatron_parallel"]
@@ -48,7 +47,7 @@ def megatron_parallel(model):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .distributed import TensorParallel
+    from ..distributed import TensorParallel
 
     pg = getattr(model, "pg_collection", None)
     pp = getattr(pg, "pp", None)
@@ -56,7 +55,7 @@ def megatron_parallel(model):
     if pp_size > 1:
         raise ValueError(
             f"sinkwatch cannot probe a Megatron model under pipeline parallelism live (pipeline size {pp_size}): no rank "
-            "holds every layer, and Megatron's forward-only schedule needs CUDA (docs/design.md §9, \"Pipeline parallelism\"). "
+            'holds every layer, and Megatron\'s forward-only schedule needs CUDA (docs/design.md §9, "Pipeline parallelism"). '
             "Train with tensor and data parallelism only, or probe the checkpoints afterwards"
         )
     cp = getattr(pg, "cp", None)
@@ -81,9 +80,7 @@ class SinkWatchMegatron:
     ``max_steps``: the run's optimizer steps (the last is probed; log-spaced steps need it).
     ``start_step``: the optimizer steps a restored checkpoint holds (0: a fresh run)."""
 
-    def __init__(
-        self, model, config: LiveConfig | None = None, *, max_steps: int | None = None, start_step: int = 0, **overrides: Any
-    ):
+    def __init__(self, model, config: LiveConfig | None = None, *, max_steps: int | None = None, start_step: int = 0, **overrides: Any):
         import torch.distributed as dist
 
         if isinstance(model, (list, tuple)):
@@ -93,7 +90,7 @@ class SinkWatchMegatron:
                     "module; pass the one GPTModel of a run without pipeline parallelism"
                 )
             model = model[0]
-        from .capture.megatron import find_megatron_model
+        from ..capture.megatron import find_megatron_model
 
         inner = find_megatron_model(model)
         if inner is None:
@@ -117,11 +114,7 @@ class SinkWatchMegatron:
         self._started = start_step > 0
         self._finished = False
         if start_step > 0:
-            cfg = self.config
-            state = state_from_store(cfg.out_dir, start_step, cfg.monitor.stages) if self.live.rank.reports_here else None
-            state = _broadcast(state)
-            if state is not None:
-                self.live.load_state_dict(state)
+            self.live.resume_from_store(start_step)
 
     def read(self, tokens) -> None:
         """A training micro-batch's (B, S) token ids (a tensor, or a dict with ``tokens`` / ``input_ids``),

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import torch
 
-from .capture import ProbeTarget, preserved_rng, resolve_target
-from .distributed import (
+from ..capture import ProbeTarget, preserved_rng, resolve_target
+from ..distributed import (
     ProbeFaultEverywhere,
     ProbeGroup,
     ProbeLayout,
@@ -29,60 +28,14 @@ from .distributed import (
     is_out_of_memory,
     shared_max_steps,
 )
-from .live_config import LiveConfig
-from .monitor import Monitor, has_non_finite
-from .probe_memory import check_probe_memory
-from .probes import ProbeSet, attention_mask_of, batch_windows, default_probes, input_ids_of, probe_of_windows, short_windows
-from .reporting import JSONLReporter, MultiReporter, Reporter, live_reporters
-from .stages import StageTracker
-
-__all__ = ["STATE_VERSION", "LiveConfig", "LiveMonitor", "Schedule", "log_spaced_steps"]
-
-STATE_VERSION = 1
-
-
-# ---- the schedule ------------------------------------------------------------------------------------
-def log_spaced_steps(count: int, max_steps: int) -> set[int]:
-    """~count distinct integer steps spaced evenly in log between 1 and max_steps (inclusive)."""
-    if max_steps < 1:
-        return set()
-    return {int(round(x)) for x in np.geomspace(1, max_steps, num=count)}
-
-
-class Schedule:
-    """Which optimizer steps are probed: step 0 (``probe_at_start``), every ``every_n_steps``-th and the
-    log-spaced ones, each once whatever the micro-batching. A probe skipped for lack of memory at step
-    ``s`` is retried at ``s + 1, s + 2, s + 4, ...`` until one is written or the next scheduled step
-    comes: at most log2 of the interval retries, each costing the ranks one all-reduce."""
-
-    def __init__(self, config: LiveConfig, log_steps: set[int] = frozenset()):
-        self.config, self.log_steps = config, set(log_steps)
-        self.retry: tuple[int, int] | None = None  # (the scheduled step skipped for memory, the next retry)
-
-    def scheduled(self, step: int) -> bool:
-        cfg = self.config
-        if step == 0:
-            return cfg.probe_at_start
-        return bool(cfg.every_n_steps and step % cfg.every_n_steps == 0) or step in self.log_steps
-
-    def due(self, step: int, last_probed: int | None) -> bool:
-        if last_probed is not None and step <= last_probed:
-            return False  # once per optimizer step
-        return self.scheduled(step) or (self.retry is not None and step >= self.retry[1])
-
-    def delayed_from(self, step: int) -> int | None:
-        """The scheduled step a probe at ``step`` stands in for (a retry), or None."""
-        return self.retry[0] if self.retry is not None and not self.scheduled(step) else None
-
-    def ran(self, step: int, *, short_of_memory: bool) -> None:
-        """After the probe at ``step``: written or skipped, and whether it lacked memory (then retried)."""
-        if not short_of_memory:
-            self.retry = None
-        elif self.retry is None or self.scheduled(step):
-            self.retry = (step, step + 1)
-        else:
-            skipped = self.retry[0]
-            self.retry = (skipped, step + max(1, step - skipped))
+from ..probe.memory import check_probe_memory
+from ..probe.monitor import Monitor, has_non_finite
+from ..probes import ProbeSet, attention_mask_of, batch_windows, default_probes, input_ids_of, probe_of_windows, short_windows
+from ..reporters import JSONLReporter, MultiReporter, Reporter, live_reporters
+from ..stages import StageTracker
+from .config import LiveConfig
+from .resume import STATE_VERSION, last_stored_step, live_probes, on_every_rank, state_from_store
+from .schedule import Schedule, log_spaced_steps
 
 
 # ---- the monitor ---------------------------------------------------------------------------------------
@@ -417,6 +370,20 @@ class LiveMonitor:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # ---- state ---------------------------------------------------------------------------------
+    def resume_from_store(self, step: int) -> dict | None:
+        """For a framework that saves none of our state (Fabric, torchtitan, Megatron): the state at optimizer
+        step ``step`` rebuilt from this run's store (``resume.state_from_store``: rank 0 reads, every rank takes
+        its reading), loaded and returned; None when the store holds nothing."""
+        cfg = self.config
+        state = on_every_rank(state_from_store(cfg.out_dir, step, cfg.monitor.stages) if self.rank.reports_here else None)
+        if state is not None:
+            self.load_state_dict(state)
+        return state
+
+    def last_stored_step(self) -> int | None:
+        """The last step this run's store holds a record of (rank 0's store, on every rank)."""
+        return on_every_rank(last_stored_step(self.config.out_dir) if self.rank.reports_here else None)
+
     def restart_tracker(self, since_step: int) -> None:
         """A new stage-tracker segment from ``since_step`` (options changed on resume); earlier records stay."""
         self.tracker = StageTracker(self.config.monitor.stages)
@@ -491,10 +458,3 @@ class LiveMonitor:
             self.tracker_since_step = int(state.get("tracker_since_step") or 0)
             if tracker is not None:
                 self.tracker.load_state_dict(tracker)
-
-
-def live_probes(state: dict) -> dict:
-    """What ``probes.json`` of a live store holds: the probe sets' hashes and parameters and the frozen
-    natural windows (the callback state's probe keys), for ``sinkwatch replay DIR --live-store STORE``."""
-    keys = ("version", "probe_hashes", "probe_params", "natural_tokens", "natural_params")
-    return {**{k: state[k] for k in keys}, "probe_dtype": state.get("probe_dtype")}

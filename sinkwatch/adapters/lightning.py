@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - the standalone pytorch_lightning packa
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
-from .live import LiveConfig, LiveMonitor
+from ..live import LiveConfig, LiveMonitor
 
 
 def _wandb_run(trainer):
@@ -147,7 +147,7 @@ class SinkWatchCallback(Callback):
         # the trainer's own loggers (TensorBoard, MLflow, CSV, ...) get the scalars and events too;
         # W&B loggers stay with the W&B reporter (see sinkwatch.reporting.lightning_loggers)
         if trainer.is_global_zero and trainer.loggers:
-            from .reporting.lightning_loggers import lightning_loggers_reporter
+            from ..reporters.lightning_loggers import lightning_loggers_reporter
 
             self.live.add_reporter(lightning_loggers_reporter(trainer.loggers))
 
