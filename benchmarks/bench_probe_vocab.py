@@ -7,7 +7,7 @@ default n = 64). "probe peak" is VmHWM minus the RSS just before the probe: what
 adds on top of the loaded model. ``chunked`` is sinkwatch's path (losses from the final hidden
 states through the head in row chunks, capture/head.py); ``all-logits`` is what it did before:
 ``model(...).logits`` at every position, then cross-entropy over a float copy. ``estimate`` is what
-the live pre-probe check (sinkwatch/probe_memory.py) would ask for on a GPU.
+the live pre-probe check (sinkwatch/probe/memory.py) would ask for on a GPU.
 
     python benchmarks/bench_probe_vocab.py [--csv benchmarks/results/probe_vocab.csv]
 

@@ -481,9 +481,3 @@ def circuit_recall(current: Iterable[str], final: Iterable[str]) -> float | None
     if not final:
         return None
     return len(set(current) & final) / len(final)
-
-
-def finite_or_none(x: float) -> float | None:
-    """JSON-safe scalar: NaN and infinities become None."""
-    x = float(x)
-    return x if math.isfinite(x) else None

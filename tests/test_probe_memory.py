@@ -1,4 +1,4 @@
-"""The live pre-probe memory check (sinkwatch/probe_memory.py): it counts what the caching allocator
+"""The live pre-probe memory check (sinkwatch/probe/memory.py): it counts what the caching allocator
 holds free, and a refusal names a ``batch_tokens`` that fits. The allocator's numbers are mocked (no
 GPU here); what the estimate is measured against: benchmarks/bench_probe_vocab.py."""
 

@@ -84,14 +84,10 @@ SCALAR_OPTIONS = tuple(f.name for f in fields(LiveConfig) if {p.strip() for p in
 class SinkWatchFabricCallback:
     """Watch attention sinks and induction heads form in a Lightning Fabric loop.
 
-    Args:
-        config: a ``sinkwatch.live.LiveConfig`` (default: all defaults); keyword options override its fields
-            (the same options as ``sinkwatch.lightning.SinkWatchCallback``: every_n_steps, log_spaced,
-            probe_at_start, probe_at_end, out_dir, tokens_per_step, probes, natural, natural_n,
-            natural_seq_len, monitor, stages, wandb, wandb_project, wandb_init, heatmap_every, console,
-            raise_on_error, on_event, reporters).
-        max_steps: the optimizer steps the run will take (default None: unknown; then the last step is
-            probed only if scheduled, and ``log_spaced`` is refused).
+    ``SinkWatchFabricCallback(config=None, *, max_steps=None, **overrides)``: the options are
+    ``sinkwatch.live.LiveConfig``'s (its docstring lists them), and ``max_steps``, the optimizer steps the
+    run will take (default None: unknown; then the last step is probed only if scheduled, and
+    ``log_spaced`` is refused). A resumed run's state comes from its store (the module's docstring).
     """
 
     def __init__(self, config: LiveConfig | None = None, *, max_steps: int | None = None, **overrides: Any):

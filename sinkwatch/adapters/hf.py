@@ -43,37 +43,11 @@ _JSON_OPTIONS = tuple(f.name for f in fields(LiveConfig) if {part.strip() for pa
 class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
     """Watch attention sinks and induction heads form during ``Trainer.train``.
 
-    Args:
-        config: a ``sinkwatch.live.LiveConfig`` (default: all defaults); keyword options override its fields.
-        every_n_steps: probe after every N-th optimizer step (default 250; None: only log-spaced/start/end).
-        log_spaced: also ~N log-spaced steps in [1, max_steps] (default None).
-        probe_at_start: probe the initial model at step 0 (default True).
-        probe_at_end: probe the last step if not already probed (default True).
-        out_dir: where ``records.jsonl`` and ``events.jsonl`` go (default ``./sinkwatch``).
-        tokens_per_step: tokens per optimizer step (default None: the Trainer's ``num_input_tokens_seen`` when
-            ``include_num_input_tokens_seen`` is on, else counted from the batches fed, times data-parallel ranks).
-        probes: probe recipes or ``ProbeSet``s (default None: ``sinkwatch.probes.default_probes`` fitted to the
-            model, natural windows included).
-        natural: with the default probes, freeze natural windows from the first training batch fed (default True).
-        natural_n: natural windows (default: ``sinkwatch.probes.LIVE_PROBES``).
-        natural_seq_len: tokens per natural window (default: ``sinkwatch.probes.LIVE_PROBES``).
-        monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
-        stages: shortcut for ``monitor=MonitorConfig(stages=StageConfig(...))``.
-        wandb: "auto" (the trainer's run, else one started offline or as WANDB_MODE says), "online",
-            "offline" or "disabled" (default "auto").
-        wandb_project: project of a run sinkwatch starts (default "sinkwatch").
-        wandb_init: extra ``wandb.init`` keywords when sinkwatch starts the run (default None).
-        heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
-        console: one line per probe and per event (default True).
-        raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
-        preflight: one sequence of each probe set just before the first probe; a deterministic error there
-            disables sinkwatch for the run with one error line (default True).
-        split_probe: under data parallelism every rank probes its share of the sequences, one all-reduce
-            combines them (default True; False: DDP's rank 0 probes alone, sharded ranks each run the whole probe).
-        fault_timeout_s: ranks that probe together (FSDP): how long a rank that faulted inside a probe forward
-            waits for the others' verdict before it stops the run (default 60).
-        on_event: your hook, called with each event dict (default None).
-        reporters: extra ``sinkwatch.reporting.Reporter`` instances (default ()).
+    ``SinkWatchTrainerCallback(config=None, **overrides)``: the options are ``sinkwatch.live.LiveConfig``'s
+    (its docstring lists them). What the Trainer changes: ``tokens_per_step`` None reads the Trainer's
+    ``num_input_tokens_seen`` when ``include_num_input_tokens_seen`` is on; ``log_spaced`` reads
+    ``state.max_steps``; the options given as plain scalars are saved with the Trainer's state and restored
+    with its checkpoint (transformers' ``restore_callback_states_from_checkpoint``).
     """
 
     def __init__(self, config: LiveConfig | None = None, **overrides: Any):

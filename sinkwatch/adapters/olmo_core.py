@@ -114,8 +114,8 @@ def _wandb_alerts_reporter(run, heatmap_every: int) -> Reporter:
 class SinkWatchCallback(Callback):
     """Watch attention sinks and induction heads form during an OLMo-core ``Trainer.fit``.
 
-    ``SinkWatchCallback(config=None, **overrides)``: a ``sinkwatch.LiveConfig`` and/or its fields as
-    keywords (``every_n_steps``, ``log_spaced``, ``out_dir``, ``probes``, ``wandb``, ``stages``...).
+    ``SinkWatchCallback(config=None, **overrides)``: the options are ``sinkwatch.live.LiveConfig``'s (its
+    docstring lists them).
     ``slack``: also post stage events to the Slack notifier's webhook when the run has an enabled
     ``SlackNotifierCallback`` (its ``webhook_url`` or ``SLACK_WEBHOOK_URL``).
     """

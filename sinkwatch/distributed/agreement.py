@@ -1,13 +1,16 @@
 """The rank protocol of a live probe: what the ranks that probe together agree on, and when (docs/design.md §7).
 
-``ProbeGroup.run(step, body, check=...)`` is the one owner of the protocol; a probe and the pre-flight
-probe are each one call of it. Every collective here is issued by every rank of the group at the same
-point of the same probe:
+``ProbeGroup.run(step, probe, target=..., check=...)`` is the one owner of the protocol and of this rank's
+layout; a probe and the pre-flight probe are each one call of it, and the probe engine (``Monitor.probe``)
+is handed what it needs (a guarded target, this rank's share) without importing any of this.
+
+Every collective here is issued by every rank of the group at the same point of the same probe:
 
 1. ``check()`` on each rank (its inputs, its memory) and one all-reduced go/no-go (START), carrying the
    config hash (same probe sets and thresholds everywhere, or no rank goes on) and whether some rank
    lacked memory;
-2. ``body(guard, share)``: the probe, whose forwards each start on one agreement (FORWARD, in
+2. ``probe(target, share)`` on this rank's layout (``ProbeLayout.run``: eager forwards, the probe's
+   dtype, a sharded model's parameters gathered in a collective stretch), whose forwards each start on one agreement (FORWARD, in
    ``forwards.py``) and whose shares are combined after one more (COMBINE);
 3. one agreement before anything is written (DONE);
 4. after a failed verdict, one ``all_gather_object`` of every rank's fault, so every rank knows who
@@ -30,10 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from .forwards import GroupForwards
-from .layout import RankFacts, group_device
-from .protocol import COMBINE, DONE, FAIL, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
+from .layout import ProbeLayout, group_device
+from .protocol import COMBINE, DONE, FAIL, FAULT_TIMEOUT_S, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
 
-FAULT_TIMEOUT_S = 60.0  # default wait for the other ranks' fault verdicts (LiveConfig.fault_timeout_s)
 _GROUPS = 0  # ProbeGroups of several ranks built in this process (their ids name their store keys)
 
 
@@ -114,8 +116,10 @@ class ProbeGroup:
     """The ranks that run each probe together: this rank alone (``size`` 1: nothing to agree), or every
     rank of the default process group when the parameters are sharded or the probe is split."""
 
-    def __init__(self, size: int = 1, *, prefer: torch.device | str | None = None, fault_timeout_s: float = FAULT_TIMEOUT_S):
+    def __init__(self, size: int = 1, *, prefer: torch.device | str | None = None, fault_timeout_s: float = FAULT_TIMEOUT_S,
+                 layout: ProbeLayout | None = None):  # fmt: skip
         self.size = size
+        self.layout = layout  # where this rank's probe runs (None: as the model is, a test's bare group)
         self.rank = 0
         self.device = torch.device("cpu")
         self.fault_timeout_s = fault_timeout_s  # how long a rank that faulted in a forward waits for the others' verdicts
@@ -136,31 +140,34 @@ class ProbeGroup:
             self.device = group_device(str(dist.get_backend()), prefer)
 
     @classmethod
-    def for_rank(cls, facts: RankFacts, *, prefer=None, fault_timeout_s: float = FAULT_TIMEOUT_S) -> ProbeGroup:
-        """Every rank together when the parameters are sharded or the probe split (and there are several
-        ranks), else alone. ``prefer``: the model's device; the agreements use it when the group carries it."""
+    def for_layout(cls, layout: ProbeLayout, *, prefer=None, fault_timeout_s: float = FAULT_TIMEOUT_S) -> ProbeGroup:
+        """The group of this rank's ``layout``: every rank together when the parameters are sharded or the
+        probe split (and there are several ranks), else alone. ``prefer``: the model's device; the
+        agreements use it when the group carries it."""
         import torch.distributed as dist
 
+        facts = layout.facts
         if facts.together and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            group = cls(dist.get_world_size(), prefer=prefer, fault_timeout_s=fault_timeout_s)
+            group = cls(dist.get_world_size(), prefer=prefer, fault_timeout_s=fault_timeout_s, layout=layout)
             group.forwards_collective = facts.sharding is not None or facts.tp is not None
             group.tp = facts.tp
             return group
-        return cls(1, fault_timeout_s=fault_timeout_s)
+        return cls(1, fault_timeout_s=fault_timeout_s, layout=layout)
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
     # ---- the protocol --------------------------------------------------------------------------
-    def run(self, step: int | None, body: Callable, *, check: Callable[[], str | None], quiet: bool = False) -> Outcome:
-        """One probe on every rank of the group, in step (see the module's docstring).
+    def run(self, step: int | None, probe: Callable, *, target, check: Callable[[], str | None], quiet: bool = False) -> Outcome:
+        """One probe of ``target`` (a ``ProbeTarget``) on every rank of the group, in step (see the module's docstring).
 
         ``check()``: this rank's pre-probe checks; returns the label every rank must send alike (the
-        config hash), raises to say no (``ProbeNotReady``: not memory enough). ``body(guard, share)``: the
-        probe; ``guard(target)`` is the target whose forwards run on the group's agreement, ``share``
-        this rank's ``ProbeShare`` (None alone). ``quiet``: a failure that is again only a lack of memory
-        gathers nothing (a retry's). ``ProbeForwardBroken`` propagates: the run cannot go on in step."""
+        config hash), raises to say no (``ProbeNotReady``: not memory enough). ``probe(target, share)``:
+        the probe (``Monitor.probe``), run on this rank's layout; ``target`` is then the target whose
+        forwards run on the group's agreement, ``share`` this rank's ``ProbeShare`` (None alone). ``quiet``:
+        a failure that is again only a lack of memory gathers nothing (a retry's). ``ProbeForwardBroken``
+        propagates: the run cannot go on in step."""
         self._closed = False
         error: BaseException | None = None
         label = None
@@ -172,8 +179,16 @@ class ProbeGroup:
         ok, short = self.agree(START if error is None else FAIL, token, flag=int(isinstance(error, ProbeNotReady)))
         value = None
         if ok:
+            guarded = target if self.size == 1 else GroupForwards(target, self, step, token)
+            share = self.share(step, token)
             try:
-                value = body(lambda target: target if self.size == 1 else GroupForwards(target, self, step, token), self.share(step, token))
+                if self.layout is None:
+                    value = probe(guarded, share)
+                else:
+                    value = self.layout.run(
+                        lambda: probe(guarded, share), device_type=target.device.type,
+                        gathering=lambda: self.collective(step, "gathering the full parameters"),
+                    )  # fmt: skip
             except ProbeForwardBroken:
                 raise  # the other ranks wait inside a forward: never go on to training's collectives out of step
             except Exception as exc:  # noqa: BLE001

@@ -3,6 +3,12 @@ carries, and what a rank raises when a probe cannot go on."""
 
 from __future__ import annotations
 
+from ..probe.memory import ProbeNotReady  # noqa: F401 - the engine's check raises it; the protocol carries its verdict
+
+# How long a rank that faulted inside a collective stretch waits for the other ranks' verdicts, unless
+# told otherwise (``LiveConfig.fault_timeout_s``, which says it to every adapter).
+FAULT_TIMEOUT_S = 60.0
+
 # The codes of one agreement: every rank must send the same one (FAIL never agrees).
 FAIL, DONE, FORWARD, START, COMBINE = 0, 1, 2, 3, 4
 
@@ -20,7 +26,3 @@ class ProbeFaultEverywhere(RuntimeError):
     """Every rank of the group raised the same fault at the same place of a probe forward (the
     verdict on the c10d store): no collective was left unpaired, so the probe is skipped everywhere
     and training goes on."""
-
-
-class ProbeNotReady(RuntimeError):
-    """This rank cannot start a probe (the pre-probe check: not memory enough)."""

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..probe.monitor import MonitorConfig
+from ..distributed.protocol import FAULT_TIMEOUT_S
+from ..probe.config import MonitorConfig
 from ..probes import LIVE_PROBES
 from ..reporters.base import Reporter
 from ..reporters.wandb_run import WANDB_MODES
@@ -16,32 +17,66 @@ from ..stages import StageConfig
 
 @dataclass(frozen=True, kw_only=True)
 class LiveConfig:
-    """Options of the callbacks (all keyword-only, validated)."""
+    """The options of every live callback (keyword-only, validated), written once here: each adapter takes
+    ``(config=None, **overrides)``, a ``LiveConfig`` and/or these fields as keywords, and says only what it
+    does differently.
 
-    every_n_steps: int | None = 250  # probe every N optimizer steps (None: only log-spaced/start/end)
-    log_spaced: int | None = None  # also ~N log-spaced steps in [1, max_steps]
-    probe_at_start: bool = True  # step 0: the initial model
-    probe_at_end: bool = True  # the last step, if not already probed
-    out_dir: str = "./sinkwatch"  # records.jsonl and events.jsonl go here
-    tokens_per_step: int | None = None  # None: counted from the batches (Lightning) or estimated (HF)
-    probes: Sequence[Any] | None = None  # None: ``probes.default_probes`` fitted to the model, natural windows included
-    natural: bool = True  # with default probes: freeze natural windows from the first training batches
+    Args:
+        every_n_steps: probe after every N-th optimizer step (default 250; None: only log-spaced/start/end).
+        log_spaced: also ~N log-spaced steps in [1, the run's optimizer steps] (default None); the adapter
+            reads the run's steps off its framework, and without them warns once and probes none.
+        probe_at_start: probe the initial model at step 0 (default True).
+        probe_at_end: probe the last step if not already probed, before the checkpoint saved at it (default True).
+        out_dir: where ``records.jsonl``, ``events.jsonl`` and ``probes.json`` go (default ``./sinkwatch``).
+        tokens_per_step: tokens per optimizer step, all ranks (default None: the framework's own count where it
+            keeps one, else counted from the batches fed, times the data-parallel ranks).
+        probes: probe recipes or ``ProbeSet``s (default None: ``sinkwatch.probes.default_probes`` fitted to the
+            model, natural windows included).
+        natural: with the default probes, freeze natural windows from the first training batch (default True).
+        natural_n: natural windows (default: ``sinkwatch.probes.LIVE_PROBES``).
+        natural_seq_len: tokens per natural window (default: ``sinkwatch.probes.LIVE_PROBES``).
+        monitor: a ``MonitorConfig`` (probe micro-batch, K, backend, stage thresholds).
+        stages: a keyword only, shortcut for ``monitor=MonitorConfig(stages=StageConfig(...))``.
+        wandb: "auto" (the trainer's run, else one started offline or as WANDB_MODE says), "online",
+            "offline" or "disabled" (default "auto").
+        wandb_project: project of a run sinkwatch starts (default "sinkwatch").
+        wandb_init: extra ``wandb.init`` keywords when sinkwatch starts the run (default None).
+        heatmap_every: W&B heatmaps and head-class table every N probes (default 5).
+        console: one line per probe and per event (default True).
+        raise_on_error: let probe errors propagate, for debugging (default False: warn once, train on).
+        preflight: one sequence of each probe set just before the first probe; a deterministic error there
+            disables sinkwatch for the run with one error line (default True).
+        split_probe: under data parallelism every rank probes its share of the sequences, one all-reduce
+            combines them (default True; False: DDP's rank 0 probes alone, sharded ranks each run the whole
+            probe; refused under tensor parallelism). docs/design.md §9.
+        fault_timeout_s: ranks that probe together (FSDP, tensor parallelism): how long a rank that faulted
+            inside a probe forward waits for the others' verdict before it stops the run (default 60).
+        on_event: your hook, called with each event dict (default None).
+        reporters: extra ``sinkwatch.reporters.Reporter`` instances (default ()).
+    """
+
+    every_n_steps: int | None = 250
+    log_spaced: int | None = None
+    probe_at_start: bool = True
+    probe_at_end: bool = True
+    out_dir: str = "./sinkwatch"
+    tokens_per_step: int | None = None
+    probes: Sequence[Any] | None = None
+    natural: bool = True
     natural_n: int = LIVE_PROBES["natural"][0]
     natural_seq_len: int = LIVE_PROBES["natural"][1]
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    wandb: str = "auto"  # auto: the trainer's run, else an offline run; online | offline | disabled
+    wandb: str = "auto"
     wandb_project: str = "sinkwatch"
-    wandb_init: dict | None = None  # extra wandb.init(...) keywords when sinkwatch starts the run
-    heatmap_every: int = 5  # W&B images/table every N probes
+    wandb_init: dict | None = None
+    heatmap_every: int = 5
     console: bool = True
-    raise_on_error: bool = False  # True: probe errors propagate (debugging); default: warn and go on
-    preflight: bool = True  # before the first probe, one sequence of each set: a deterministic error there disables sinkwatch
-    # data parallelism: every rank probes its share of the sequences, one all-reduce combines them (docs/design.md §9);
-    # False: DDP's rank 0 probes alone, sharded ranks each run the whole probe
+    raise_on_error: bool = False
+    preflight: bool = True
     split_probe: bool = True
-    fault_timeout_s: float = 60.0  # ranks that probe together: how long a rank that faulted in a forward waits for the others' verdict
-    on_event: Callable[[dict], None] | None = None  # user hook, called with each event dict
-    reporters: Sequence[Reporter] = ()  # extra reporters
+    fault_timeout_s: float = FAULT_TIMEOUT_S
+    on_event: Callable[[dict], None] | None = None
+    reporters: Sequence[Reporter] = ()
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "log_spaced", "tokens_per_step"):

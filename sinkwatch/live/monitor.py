@@ -120,7 +120,7 @@ class LiveMonitor:
             self.target.module, outer, is_global_zero=is_global_zero, world_size=world_size, split=cfg.split_probe,
             compute_dtype=compute_dtype, tp=tensor_parallel,
         )  # fmt: skip
-        self.group = ProbeGroup.for_rank(self.layout.facts, prefer=self.target.device, fault_timeout_s=float(cfg.fault_timeout_s))
+        self.group = ProbeGroup.for_layout(self.layout, prefer=self.target.device, fault_timeout_s=float(cfg.fault_timeout_s))
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         if cfg.log_spaced:  # one schedule for the whole run: rank 0's (ranks with unequal data estimate differently)
             self.max_steps = shared_max_steps(self.max_steps, self.target.device)
@@ -237,15 +237,6 @@ class LiveMonitor:
                     return
             self._probe_and_report(step)
 
-    def _run(self, monitor: Monitor, guard, share, **where):
-        """``monitor``'s probe of the target on this rank's layout (the body of ``ProbeGroup.run``)."""
-        step = where.get("step")
-        return self.layout.run(
-            lambda: monitor.probe(guard(self.target), share=share, **where),
-            device_type=self.target.device.type,
-            gathering=lambda: self.group.collective(step, "gathering the full parameters"),
-        )
-
     def _preflight(self) -> None:
         """One sequence of each probe set through the model before the first probe (not in ``setup``:
         a model's first forward may be a collective of every rank, as composable DDP's lazy init is in
@@ -266,7 +257,7 @@ class LiveMonitor:
                 raise ValueError("the probe sets cannot be built (the first probe says why)")
             return label
 
-        outcome = self.group.run(None, lambda guard, share: self._run(one, guard, share), check=check)
+        outcome = self.group.run(None, lambda target, share: one.probe(target, share=share), target=self.target, check=check)
         faults = outcome.faults or []
         if outcome.ok or one is None or not all(m is not None and not is_out_of_memory(m) for m, _ in faults):
             return  # healthy, or a fault on some ranks only, or an out-of-memory: the probes themselves will say
@@ -299,12 +290,12 @@ class LiveMonitor:
             )  # fmt: skip
             return self.config_hash
 
-        def body(guard, share):
-            snap = self._run(self.monitor, guard, share, step=step, tokens=tokens)
+        def probe(target, share):
+            snap = self.monitor.probe(target, share=share, step=step, tokens=tokens)
             fault_point("after", step)
             return snap
 
-        outcome = self.group.run(step, body, check=check, quiet=delayed_from is not None)
+        outcome = self.group.run(step, probe, target=self.target, check=check, quiet=delayed_from is not None)
         self.last_probed_step = step
         self.schedule.ran(step, short_of_memory=outcome.short)
         if not outcome.ok:

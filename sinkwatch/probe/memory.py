@@ -45,6 +45,12 @@ WORKSPACE_BYTES = 64 * 2**20
 GIB = 2**30
 
 
+
+class ProbeNotReady(RuntimeError):
+    """This rank cannot start a probe: not memory enough (``check_probe_memory``). Under the rank protocol
+    every rank learns it before any collective of the probe (``sinkwatch.distributed``)."""
+
+
 @dataclass(frozen=True)
 class ProbeMemory:
     per_token: int  # bytes per probe token in one forward
@@ -207,8 +213,6 @@ def check_probe_memory(target, sets, batch_tokens: int, *, ranks: int = 1, dtype
     ``ProbeNotReady`` naming a ``batch_tokens`` that fits."""
     if target.device.type != "cuda":
         return
-    from ..distributed import ProbeNotReady
-
     verdict = memory_verdict(target, sets, batch_tokens, available_bytes(target.device), ranks=ranks, dtype=dtype, outer=outer)
     if verdict is not None:
         raise ProbeNotReady(verdict)

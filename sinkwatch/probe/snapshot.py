@@ -76,18 +76,3 @@ class Snapshot:
                 record[k] = jsonable(self.values[k])
         record["probe_hashes"] = dict(self.probe_hashes)
         return record
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> Snapshot:
-        meta = {"model", "revision", "step", "tokens", "probe", "probe_hash", "n_layers", "n_heads", "probe_hashes"}
-        hashes = record.get("probe_hashes") or {k: record["probe_hash"] for k in record["probe"].split("+")}
-        return cls(
-            model=record["model"],
-            n_layers=record["n_layers"],
-            n_heads=record["n_heads"],
-            probe_hashes=dict(hashes),
-            values={k: v for k, v in record.items() if k not in meta},
-            revision=record.get("revision"),
-            step=record.get("step"),
-            tokens=record.get("tokens"),
-        )
