@@ -22,9 +22,8 @@ def test_an_old_path_is_the_module_where_it_lives_now(old):
 
 
 def test_a_moved_package_carries_its_submodules():
-    from sinkwatch.reporting.jsonl import JSONLReporter as old
-
     from sinkwatch.reporters.jsonl import JSONLReporter
+    from sinkwatch.reporting.jsonl import JSONLReporter as old
 
     assert old is JSONLReporter
     assert new_name("sinkwatch.reporting.wandb_run") == "sinkwatch.reporters.wandb_run"
