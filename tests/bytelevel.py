@@ -1,4 +1,4 @@
-"""A byte-level tokenizer (256 ids, one per byte) that needs no download: used by the demo and tests."""
+"""A byte-level tokenizer (256 ids, one per byte) that needs no download, for the tests."""
 
 from __future__ import annotations
 

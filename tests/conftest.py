@@ -19,7 +19,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from sinkwatch.bytelevel import byte_tokenizer
+    from bytelevel import byte_tokenizer
 
     return byte_tokenizer()
 
