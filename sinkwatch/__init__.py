@@ -1,6 +1,6 @@
 """sinkwatch: watch attention sinks and induction heads form while a language model trains."""
 
-from . import _moved
+from . import _moved  # noqa: F401 - first: it installs the old and short import paths (sinkwatch.monitor, sinkwatch.hf, ...)
 from .capture import CustomTarget, HFTarget, ProbeTarget, UnsupportedModelError, attend, find_transformers_model
 from .kernels import AttentionStats, attention_stats
 from .probe.monitor import Monitor, MonitorConfig
@@ -16,8 +16,6 @@ from .probes import (
 )
 from .records import VERSION
 from .stages import StageConfig, StageEvent, StageTracker
-
-_moved.install()  # the old and short import paths (sinkwatch.monitor, sinkwatch.hf, ...): sinkwatch._moved
 
 __version__ = VERSION
 

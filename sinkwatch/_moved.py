@@ -65,3 +65,6 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+install()  # on import: ``sinkwatch/__init__.py`` imports this module first
