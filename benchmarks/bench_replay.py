@@ -139,7 +139,7 @@ def prefetch_worker(revisions: int, threads: int) -> dict:
 
 def read_store(path: str) -> list[dict]:
     from sinkwatch.replay import record_files
-    from sinkwatch.reporting.jsonl import read_jsonl
+    from sinkwatch.reporters.jsonl import read_jsonl
 
     return [r for p in record_files(path) for r in read_jsonl(p) if r.get("status") == "ok"]
 

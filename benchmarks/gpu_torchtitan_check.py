@@ -140,7 +140,7 @@ def parsed_config(out: Path):
 
 
 def check(out: Path, logged: list) -> dict:
-    from sinkwatch.reporting.jsonl import read_jsonl
+    from sinkwatch.reporters.jsonl import read_jsonl
 
     records = read_jsonl(out / "sw" / "records.jsonl")
     summary = {

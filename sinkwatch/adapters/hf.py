@@ -178,7 +178,7 @@ class SinkWatchTrainerCallback(TrainerCallback, ExportableState):
 
     def _report_to_integrations(self, args, state, control, model) -> None:
         # the scalars go through the Trainer's own logging path to every report_to integration
-        # (W&B excepted: the W&B reporter logs to that run); see sinkwatch.reporting.trainer_integrations
+        # (W&B excepted: the W&B reporter logs to that run); see sinkwatch.reporters.trainer_integrations
         self._integrations = None
         if not state.is_world_process_zero:
             return

