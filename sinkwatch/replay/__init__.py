@@ -13,7 +13,7 @@ Ray) schedule its tasks, and plain workers share them by a stride and one pass (
 One module per idea:
 
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
-- ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache);
+- ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache), the selection rule;
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
 - ``store``: the replay key, the done key, the record files;
 - ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
@@ -57,11 +57,11 @@ from .revisions import (
     list_revisions,
     parse_revision,
     parse_revisions,
-    resolve_revisions,
     revision_step,
     revision_tokens,
     runs_of,
     select_log_spaced,
+    select_revisions,
     training_order,
 )
 from .run import replay, replay_plan
@@ -125,13 +125,13 @@ __all__ = [
     "replay_key",
     "replay_plan",
     "replay_revision",
-    "resolve_revisions",
     "revision_step",
     "revision_tokens",
     "run_ablation",
     "run_with_limit",
     "runs_of",
     "select_log_spaced",
+    "select_revisions",
     "shard_from_env",
     "training_order",
     "write_manifest",
