@@ -13,6 +13,7 @@ Ray) schedule its tasks, and plain workers share them by a stride and one pass (
 One module per idea:
 
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
+- ``options``: how to replay it: every option of ``replay``, ``replay_plan``, the unit and the CLI, once (``ReplayOptions``);
 - ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache), the selection rule;
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
 - ``store``: the replay key, the done key, the record files;
@@ -47,6 +48,7 @@ from .ablation import (
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, Task, array_range, read_manifest
 from .merged import duplicate_groups, merged_records
+from .options import ReplayOptions
 from .plan import Plan, format_plan
 from .ray_limits import run_with_limit
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
@@ -90,6 +92,7 @@ __all__ = [
     "FetchConfig",
     "Plan",
     "Recipe",
+    "ReplayOptions",
     "ReplayStore",
     "Revision",
     "StoreMismatchError",
