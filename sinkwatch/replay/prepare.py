@@ -124,3 +124,11 @@ def prepare_replay(model, options: ReplayOptions, *, manifest: str = "use", runn
     cfg = dataclasses.replace(cfg, protocol=label.computation)
     return ReplaySetup(recipe, m, tasks, key, cfg, label.computation, probe_list, dtype, None, source, label, flags,
                        skip_duplicates=skip, changed=changed)  # fmt: skip
+
+
+def ablation_at(s: ReplaySetup, o: ReplayOptions) -> str | None:
+    """Where the group ablation runs (``o.ablation_revision``, else the recipe's, else the last revision), or None
+    when it does not: ``o.ablate``, by default on under protocol paper when the recipe names an ablation revision."""
+    at = o.ablation_revision or s.recipe.ablation_revision
+    ablate = o.ablate if o.ablate is not None else (s.protocol == "paper" and at is not None)
+    return (at or s.revisions[-1].name) if ablate else None

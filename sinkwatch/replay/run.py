@@ -36,7 +36,7 @@ from .manifest import Task
 from .measure import Job, Measurer
 from .options import PLAN, REPLAY, ReplayOptions
 from .plan import Plan, device_budgets, make_plan
-from .prepare import prepare_replay
+from .prepare import ablation_at, prepare_replay
 from .progress import _status
 from .recipes import Recipe
 from .signals import Terminated, exit_terminated, terminate_cleanly
@@ -81,15 +81,9 @@ def replay(model: str | Recipe, *, options: ReplayOptions | None = None, **kwarg
     """
     o = ReplayOptions.given(options, kwargs, reader=REPLAY, what="replay()")
     s = prepare_replay(model, o, manifest="use", running=attempts.running(o.out_dir))
-    s.ablation = o.ablation_revision or s.recipe.ablation_revision
-    ablate = o.ablate
-    if ablate is None:
-        ablate = s.protocol == "paper" and s.ablation is not None
-    if ablate:
-        s.ablation = s.ablation or s.revisions[-1].name
+    s.ablation = ablation_at(s, o)
+    if s.ablation is not None:
         check_ablation(o.out_dir, ablation_key(s.key, s.ablation))  # refused before anything is probed
-    else:
-        s.ablation = None
     loop = _Loop(s, **o.loop(progress=True))
     return loop.run(stride(o.shard))
 

@@ -26,7 +26,7 @@ from .manifest import MANIFEST_FILE, Manifest, Task, array_range, write_atomic
 from .measure import Measurer
 from .merged import merged_records
 from .options import UNIT, ReplayOptions
-from .prepare import prepare_replay
+from .prepare import ablation_at, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
 from .store import ReplayStore, done_key
@@ -156,13 +156,9 @@ def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None
     records = merged_records(out_dir)
     fields = ("revision", "step", "tokens", "run", "p0_stage", "induction_state")
     trajectory = [{k: r.get(k) for k in fields} for r in records]
-    s.ablation = o.ablation_revision or s.recipe.ablation_revision
-    ablate = o.ablate
-    if ablate is None:
-        ablate = s.protocol == "paper" and s.ablation is not None
+    s.ablation = ablation_at(s, o)
     ablation = None
-    if ablate:
-        s.ablation = s.ablation or s.revisions[-1].name
+    if s.ablation is not None:
         check_ablation(out_dir, ablation_key(s.key, s.ablation))
         try:
             loop._ablation()
