@@ -18,8 +18,11 @@ def _probe_kinds(text: str) -> list[str]:
     return kinds
 
 
-def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None, n_help: str | None = None) -> None:
-    """Probe options shared by ``probe`` and ``replay``."""
+def add_probe_arguments(
+    p: argparse.ArgumentParser, default_n: int | None = None, n_help: str | None = None, *, measurement: bool = True
+) -> None:
+    """Probe options shared by ``probe`` and ``replay``; ``measurement``: --dtype, --device and --batch-tokens too
+    (``replay``'s come from ``ReplayOptions``)."""
     p.add_argument(
         "--probe",
         type=_probe_kinds,
@@ -44,6 +47,8 @@ def add_probe_arguments(p: argparse.ArgumentParser, default_n: int | None = None
         default=None,
         help="natural windows start with the tokenizer's BOS (--bos) or not (--no-bos); default: the tokenizer's own convention",
     )
+    if not measurement:
+        return
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per probe forward (lower it to save memory)")
@@ -94,17 +99,8 @@ def cmd_probe(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .replay import (
-        FetchConfig,
-        Recipe,
-        format_plan,
-        is_recipe,
-        load_recipe,
-        parse_shard,
-        read_ablation,
-        replay,
-        replay_plan,
-    )
+    from .replay import Recipe, format_plan, is_recipe, load_recipe, read_ablation, replay, replay_plan
+    from .replay.options import from_args
     from .replay.protocol import probes_with_options
     from .reporting.wandb_run import wandb_mode_from_env
 
@@ -116,44 +112,14 @@ def cmd_replay(args) -> int:
     probes = probes_with_options(
         recipe, args.probe, n=args.n, seq_len=args.seq_len, vocab_range=args.vocab_range, text=args.text, bos=args.bos
     )
-    revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
-    out = args.out or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
-    fetch = FetchConfig(retries=args.retries, prefetch=not args.no_prefetch, keep_cache=args.keep_cache, cache_root=args.cache_root)
-    common = dict(
-        revisions=revisions,
-        log_spaced=args.log_spaced,
-        all_revisions=args.all_revisions,
-        out_dir=out,
-        probes=probes,
-        dtype=args.dtype,
-        device=args.device,
-        shard=parse_shard(args.shard) if args.shard else None,
-        cache_dir=args.cache_dir,
-        tokens_per_step=args.tokens_per_step,
-        batch_tokens=args.batch_tokens,  # memory only: the recipe's protocol and ablation stay
-        protocol=args.protocol,
-        ablation_revision=args.ablation_revision,
-        fetch=fetch,
-        max_memory=args.max_memory,
-        skip_duplicates=args.skip_duplicates,
-        lightning_module=args.lightning_module,  # a local run's, for the plan too
-        live_store=args.live_store,
-    )
+    out = args.out_dir or f"runs/{recipe.name or recipe.model.split('/')[-1]}"
+    options = from_args(args, probes=probes, out_dir=out, wandb=wandb_mode_from_env(args.wandb))
     if args.plan:
-        plan = replay_plan(recipe, workers=args.workers, bandwidth_mb_s=args.bandwidth, tflops=args.tflops,
-                           rewrite_manifest=args.rewrite_manifest, **common)  # fmt: skip
-        print(format_plan(plan))
+        print(format_plan(replay_plan(recipe, options=options)))
         return 0
     if args.manifest_only or args.task is not None or args.finalize or args.failed_tasks:
-        return _replay_engine_step(args, recipe, common, out)
-    rows = replay(
-        recipe,
-        wandb=wandb_mode_from_env(args.wandb),
-        progress=not args.no_progress,
-        ablate=args.ablate,
-        rewrite_manifest=args.rewrite_manifest,
-        **common,
-    )
+        return _replay_engine_step(args, recipe, options)
+    rows = replay(recipe, options=options)
     ok = sum(1 for r in rows if r.get("status", "ok") == "ok")
     failed = [r for r in rows if r.get("status") == "failed"]
     print(
@@ -168,27 +134,24 @@ def cmd_replay(args) -> int:
     return 0 if not failed else 1
 
 
-def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
+def _replay_engine_step(args, recipe, options) -> int:
     """``--manifest-only`` (the driver), ``--task N`` (one engine task), ``--failed-tasks``, ``--finalize`` (after them all).
     ``--manifest-only`` and ``--failed-tasks`` print an array range alone on stdout (``sbatch --array=$(...)``), the rest on stderr."""
     from .replay import RevisionFailed, array_range, failed_tasks, finalize, read_manifest, replay_revision, write_manifest
 
-    unit = {k: common[k] for k in ("probes", "dtype", "device", "cache_dir", "tokens_per_step", "batch_tokens", "protocol", "fetch",
-                                   "max_memory", "lightning_module", "live_store", "skip_duplicates")}  # fmt: skip
+    out = options.out_dir
     if sum((args.manifest_only, args.task is not None, args.finalize, args.failed_tasks)) > 1:
         raise ValueError("--manifest-only, --task, --finalize and --failed-tasks are separate steps: run one at a time")
     if args.rewrite_manifest and not args.manifest_only:
         raise ValueError("--rewrite-manifest goes with --manifest-only (the driver's step) or a run without an engine, not a task's step")
     if args.failed_tasks:
         m = read_manifest(out)
-        names = failed_tasks(recipe, out_dir=out, **{k: v for k, v in unit.items() if k not in ("device", "fetch", "max_memory")})
+        names = failed_tasks(recipe, out_dir=out, options=options)
         print(array_range(m.index_of(n) for n in names))
         print(f"{len(names)} of {len(m.task_list)} task(s) not done" + (f": {', '.join(names[:10])}" if names else ""), file=sys.stderr)
         return 0
     if args.manifest_only:
-        listing = {k: v for k, v in unit.items() if k not in ("device", "max_memory")}
-        m = write_manifest(recipe, out_dir=out, revisions=common["revisions"], log_spaced=common["log_spaced"],
-                           all_revisions=common["all_revisions"], rewrite=args.rewrite_manifest, **listing)  # fmt: skip
+        m = write_manifest(recipe, out_dir=out, options=options)
         groups = {g.members for g in m.groups().values()}
         print(array_range(range(len(m.task_list))))
         print(f"manifest: {Path(out) / 'manifest.json'}: {len(m.revisions)} revision(s) in {len(m.task_list)} task(s) "
@@ -198,16 +161,16 @@ def _replay_engine_step(args, recipe, common: dict, out: str) -> int:
     if args.task is not None:
         m = read_manifest(out)
         if m is None:  # replay_revision says what to run
-            replay_revision(recipe, "-", out_dir=out, **unit)
+            replay_revision(recipe, "-", out_dir=out, options=options)
         task = m.task_at(args.task)
         try:
-            row = replay_revision(recipe, task.name, out_dir=out, progress=not args.no_progress, **unit)
+            row = replay_revision(recipe, task.name, out_dir=out, options=options, progress=options.progress is not False)
         except RevisionFailed as exc:
             print(f"sinkwatch replay --task {args.task}: {exc}", file=sys.stderr)
             return 1
         print(f"task {args.task} ({task.name}): {', '.join(task.members)} -> {row['status']}")
         return 0
-    summary = finalize(recipe, out_dir=out, ablate=args.ablate, ablation_revision=args.ablation_revision, **unit)
+    summary = finalize(recipe, out_dir=out, options=options)
     print(f"finalize {out}: {len(summary['done'])} done, {len(summary['failed'])} failed, {len(summary['missing'])} missing"
           + (f", {len(summary['skipped'])} skipped (duplicates)" if summary["skipped"] else ""))  # fmt: skip
     for name, error in summary["failed"].items():
@@ -286,6 +249,8 @@ def cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .replay.options import GROUPS, add_arguments
+
     parser = argparse.ArgumentParser(prog="sinkwatch", description="Watch attention sinks and induction heads form in a language model.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -306,121 +271,26 @@ def build_parser() -> argparse.ArgumentParser:
         "or a local folder of checkpoints (HF Trainer checkpoint-N/, save_pretrained folders with a step in the name, "
         "OLMo-core stepN/, Lightning *.ckpt)",
     )
-    sel = r.add_mutually_exclusive_group()
-    sel.add_argument(
-        "--revisions",
-        default=None,
-        help="comma-separated revisions (default: the recipe's, or every branch with a step in its name; main and tags only when named)",
-    )
-    sel.add_argument("--log-spaced", type=int, default=None, help="replay ~N log-spaced revisions of those listed by the hub")
-    sel.add_argument(
-        "--all-revisions",
-        action="store_true",
-        help="every published revision of the model (every branch with a step: Pythia-1b's 154), not the recipe's list "
-        "(the packaged recipes keep the paper's ten)",
-    )
-    r.add_argument("--out", default=None, help="store directory (default runs/NAME)")
     # replay's probe options lay over the recipe's probes: no CLI default of their own
-    add_probe_arguments(r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)")
-    r.add_argument(
-        "--shard",
-        default=None,
-        help="K/N: this worker's stride of the manifest's tasks (every N-th from K), then what is still missing; torchrun's "
-        "RANK/WORLD_SIZE and srun's SLURM_PROCID/SLURM_NTASKS give it without this option",
+    add_probe_arguments(
+        r, n_help="sequences per probe (default: the recipe's; induction 2000 x 256 for a hub id or a folder)", measurement=False
     )
-    r.add_argument(
-        "--cache-dir",
-        default=None,
-        help="a Hugging Face cache read before downloading, never written (offline replay: set HF_HUB_OFFLINE=1 and it is the only source)",
-    )
-    r.add_argument("--tokens-per-step", type=int, default=None, help="tokens per optimizer step, for revisions named by step only")
-    r.add_argument(
-        "--wandb",
-        choices=("offline", "online", "disabled"),
-        default=None,
-        help="log the replay to W&B on a tokens axis (default: as WANDB_MODE says, else offline)",
-    )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument(
-        "--protocol",
-        choices=("paper", "sinkwatch"),
-        default=None,
-        help="paper: Xu 2026's exact precision choices (eager float16 attention for float16 models, PR on the first 500 "
-        "sequences in float16); sinkwatch: float32 statistics, PR on every sequence (default: the recipe's; packaged recipes: paper). "
-        "A probe or dtype option that changes a recipe's measurement labels the records protocol: custom (with what changed), "
-        "and is refused with --protocol paper",
-    )
-    r.add_argument(
-        "--ablate",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="group ablation of the >= 50x induction circuit at the ablation revision, into DIR/ablation.json "
-        "(default: on under protocol paper when the recipe names an ablation revision, as the packaged recipes do)",
-    )
-    r.add_argument("--ablation-revision", default=None, help="where to ablate (default: the recipe's; else the last revision)")
-    r.add_argument(
-        "--lightning-module",
-        default=None,
-        metavar="PKG.MODULE:CLASS",
-        help="the LightningModule of a folder of Lightning .ckpt files (loaded with Class.load_from_checkpoint)",
-    )
-    r.add_argument(
-        "--live-store",
-        default=None,
-        help="the live run's store (its callback out_dir): the natural windows it froze, for save_pretrained folders "
-        "(checkpoints with a trainer state carry them already)",
-    )
-    r.add_argument(
-        "--skip-duplicates",
-        action="store_true",
-        help="do not measure revisions whose weight files are another revision's (flagged from the hub's metadata before any "
-        "download); by default they are measured, flagged, and left out of the trajectory",
-    )
-    scale = r.add_argument_group("a full trajectory (docs/replay.md: a full trajectory on a cluster)")
+    scale = r.add_argument_group(GROUPS["scale"])
     scale.add_argument(
         "--plan",
         action="store_true",
         help="print the revisions, their sizes (hub metadata), peak disk, memory per dtype, the split over workers and a time "
         "estimate; download no weights, measure nothing",
     )
-    scale.add_argument(
-        "--workers", type=int, default=None, help="with --plan: how many workers will share the store (default: the launcher's)"
-    )
-    scale.add_argument(
-        "--bandwidth", type=float, default=None, help="with --plan: download MB/s per worker for the time estimate (default 100)"
-    )
-    scale.add_argument(
-        "--tflops", type=float, default=None, help="with --plan: probe TFLOP/s for the time estimate (default: cpu 0.2, cuda 50)"
-    )
-    scale.add_argument(
-        "--keep-cache", action="store_true", help="keep each task's download folder (default: emptied once its records are written)"
-    )
-    scale.add_argument(
-        "--cache-root",
-        default=None,
-        help="where each task downloads into a folder of its own (default: the store's cache/, which a retry on any node finds "
-        "and empties; finalize sweeps what is left)",
-    )
-    scale.add_argument("--no-prefetch", action="store_true", help="do not download the next revision while the current one is probed")
-    scale.add_argument("--retries", type=int, default=5, help="retries of a hub call on 5xx / 429 / dropped connections (default 5)")
-    scale.add_argument(
-        "--max-memory",
-        default=None,
-        help="memory each device may use (24GiB, 500MB; default: what it has free): a revision that cannot fit is refused before download",
-    )
-    eng = r.add_argument_group("engines (docs/replay.md: Slurm arrays, submitit, Ray)")
+    eng = r.add_argument_group(GROUPS["engines"])
     eng.add_argument(
         "--manifest-only",
         action="store_true",
         help="write DIR/manifest.json, the plan (refs, commits, fingerprints, duplicate groups over the whole run, named tasks), "
         "once, and print its array range (0-153) alone on stdout: the driver's step, before any task starts",
     )
-    eng.add_argument(
-        "--rewrite-manifest",
-        action="store_true",
-        help="update the plan: moved branches, rewritten checkpoints, more revisions (--log-spaced 16 after 8, --all-revisions); "
-        "existing tasks keep their names and indices, new ones are appended; refused while a task runs",
-    )
+    # every option of a replay (ReplayOptions' fields): one flag each, in its group
+    add_arguments(r, {"selection": r.add_mutually_exclusive_group(), "scale": scale, "engines": eng})
     eng.add_argument(
         "--task",
         type=int,
@@ -441,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the tasks: record the attempts killed without a word, sweep the task folders, derive the stages in step "
         "order (DIR/trajectory.json), run the ablation once, list what failed",
     )
-    r.set_defaults(func=cmd_replay, probe=None, dtype=None, batch_tokens=None)  # None: the recipe's value
+    r.set_defaults(func=cmd_replay, probe=None)  # None: the recipe's probes
 
     d = sub.add_parser("demo", help="pretrain a small model on CPU and watch its circuits form (about 4 minutes)")
     d.add_argument("--p0", action="store_true", help="the P0 demo: a real model's sink amplifier knocked out, regrowing (docs/stages.md)")

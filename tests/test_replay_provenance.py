@@ -204,10 +204,11 @@ def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
     metadata, the duplicate groups — no weights downloaded."""
     from sinkwatch.replay import Revision
     from sinkwatch.replay.provenance import find_duplicates, fingerprints
-    from sinkwatch.replay.revisions import resolve_revisions
+    from sinkwatch.replay.revisions import list_refs, select_revisions
 
     before = len(hub.downloads())
-    revs, refs = resolve_revisions("org/dup")
+    refs = list_refs("org/dup")
+    revs = select_revisions(refs).chosen
     main_ref = [Revision("main", commit=refs["main"])]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every fingerprint read from metadata: no warning

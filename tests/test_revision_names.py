@@ -174,3 +174,48 @@ def test_user_recipes_live_in_a_recipe_directory_named_by_an_environment_variabl
     monkeypatch.setenv("SINKWATCH_RECIPES", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="SINKWATCH_RECIPES"):
         load_recipe("smollm2-1.7b")
+
+
+# ---- the selection rule a replay runs (select_revisions: the manifest's, and the plan's) ----------------------------
+def _refs(names):
+    return {n: f"{i:040x}" for i, n in enumerate(names)}
+
+
+def test_the_selection_is_every_revision_with_a_step_or_the_named_ones_and_main_is_an_alias():
+    from sinkwatch.replay import select_revisions
+
+    refs = _refs(PYTHIA)
+    sel = select_revisions(refs)
+    assert [r.name for r in sel.chosen] == [n for n in PYTHIA if n != "main"]  # training order; no stepless ref
+    assert [r.name for r in sel.aliases] == ["main"] and "main" not in {r.name for r in sel.listed}
+    assert all(r.commit == refs[r.name] for r in sel.chosen)
+    named = select_revisions(refs, ["step1000", "main"])  # a named stepless ref is measured (last), no alias
+    assert [r.name for r in named.chosen] == ["step1000", "main"] and named.aliases == []
+    assert "step143000" in {r.name for r in named.listed}  # the whole run stays listed (duplicate groups)
+    picked = select_revisions(refs, log_spaced=4)
+    assert [r.name for r in picked.chosen] == [r.name for r in select_log_spaced(sel.chosen, 4)]
+
+
+def test_a_commit_id_is_40_lowercase_hex_digits_and_a_ref_of_that_spelling_is_its_ref():
+    from sinkwatch.replay import select_revisions
+    from sinkwatch.replay.revisions import is_commit_id
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    refs = _refs(["step10", "step20"])
+    by = {r.name: r for r in select_revisions(refs, ["step10", commit, commit.upper()]).chosen}
+    assert by[commit].commit == commit  # fetched by itself
+    assert by[commit.upper()].commit is None  # not the hub's spelling: no commit (it would be a second done key)
+    assert by["step10"].commit == refs["step10"]
+    branch = "deadbeef" * 5  # a branch whose name looks like a commit: resolved as the branch
+    refs[branch] = "f" * 40
+    assert {r.name: r.commit for r in select_revisions(refs, [branch]).chosen} == {branch: "f" * 40}
+    assert is_commit_id(commit) and not is_commit_id(commit.upper()) and not is_commit_id(commit[:39]) and not is_commit_id("main")
+
+
+def test_a_local_run_lists_every_checkpoint_and_has_no_aliases():
+    from sinkwatch.replay import Revision, select_revisions
+
+    local = [Revision("checkpoint-10", step=10), Revision("checkpoint-20", step=20), Revision("final")]
+    sel = select_revisions(local)
+    assert sel.listed == local and sel.aliases == [] and [r.name for r in sel.chosen] == ["checkpoint-10", "checkpoint-20"]
+    assert [r.name for r in select_revisions(local, ["final"]).chosen] == ["final"]

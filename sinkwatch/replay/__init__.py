@@ -13,7 +13,8 @@ Ray) schedule its tasks, and plain workers share them by a stride and one pass (
 One module per idea:
 
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
-- ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache);
+- ``options``: how to replay it: every option of ``replay``, ``replay_plan``, the unit and the CLI, once (``ReplayOptions``);
+- ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache), the selection rule;
 - ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
 - ``store``: the replay key, the done key, the record files;
 - ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
@@ -47,6 +48,7 @@ from .ablation import (
 from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, Task, array_range, read_manifest
 from .merged import duplicate_groups, merged_records
+from .options import ReplayOptions
 from .plan import Plan, format_plan
 from .ray_limits import run_with_limit
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
@@ -57,11 +59,11 @@ from .revisions import (
     list_revisions,
     parse_revision,
     parse_revisions,
-    resolve_revisions,
     revision_step,
     revision_tokens,
     runs_of,
     select_log_spaced,
+    select_revisions,
     training_order,
 )
 from .run import replay, replay_plan
@@ -90,6 +92,7 @@ __all__ = [
     "FetchConfig",
     "Plan",
     "Recipe",
+    "ReplayOptions",
     "ReplayStore",
     "Revision",
     "StoreMismatchError",
@@ -125,13 +128,13 @@ __all__ = [
     "replay_key",
     "replay_plan",
     "replay_revision",
-    "resolve_revisions",
     "revision_step",
     "revision_tokens",
     "run_ablation",
     "run_with_limit",
     "runs_of",
     "select_log_spaced",
+    "select_revisions",
     "shard_from_env",
     "training_order",
     "write_manifest",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .revisions import is_commit_id
+
 # Files that hold weights: the ones a fingerprint covers and a plan sizes (configs and tokenizers are small).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 
@@ -32,7 +34,6 @@ class RemoteFile:
         return is_weight_file(self.path)
 
 
-_COMMIT = re.compile(r"[0-9a-f]{40}")
 # (endpoint, model, commit) -> its files: a commit never changes, so the fingerprint taken when the
 # revisions are listed, the plan and the download all read its metadata with one request
 _BY_COMMIT: dict[tuple[str, str, str], tuple[RemoteFile, ...]] = {}
@@ -52,7 +53,7 @@ def remote_files(model: str, revision: str) -> list[RemoteFile]:
         RemoteFile(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
         for s in sorted(info.siblings or [], key=lambda s: s.rfilename)
     ]
-    if _COMMIT.fullmatch(revision):
+    if is_commit_id(revision):
         _BY_COMMIT[key] = tuple(files)
     return files
 

@@ -26,14 +26,19 @@ from .hub import RemoteFile, remember_files, remembered_files
 from .local import check_local_names
 from .provenance import DuplicateGroup, Weights, find_duplicates, fingerprints, hash_cache
 from .recipes import Recipe
-from .revisions import Revision, compile_pattern, list_refs, parse_revisions, select_log_spaced, training_order
+from .revisions import (
+    Revision,
+    is_commit_id,
+    list_refs,
+    select_revisions,
+    training_order,
+)
 from .source import RevisionSource, revision_source
 from .store import StoreMismatchError, key_difference
 
 MANIFEST_FILE = "manifest.json"
 HASHES_FILE = "hashes.json"
 VERSION = 2
-_COMMIT_LEN = 40
 
 
 def manifest_command(model: str, out_dir, *extra: str) -> str:
@@ -116,7 +121,7 @@ class Manifest:
     def seed_hub_cache(self) -> None:
         """Give ``hub.remote_files`` the listings the manifest holds: the download asks no metadata again."""
         for e in self.entries.values():
-            if e.get("files") is not None and e.get("commit") and len(e["commit"]) == _COMMIT_LEN:
+            if e.get("files") is not None and e.get("commit") and is_commit_id(e["commit"]):
                 remember_files(self.model, e["commit"], [RemoteFile(*f) for f in e["files"]])
 
     def source(self, cache_dir: str | None, local=None) -> RevisionSource:
@@ -372,18 +377,15 @@ def _compute(recipe, names, *, key, log_spaced, cache_dir, tokens_per_step, prev
     aliases: list[Revision] = []
     refs: dict[str, str] = {}
     if local_source is not None:  # a local run: the whole folder is the listing, hashed through the store's hash cache
-        whole = list(local_source.revisions)
         check_local_names(local_source.local, names)
+        sel = select_revisions(local_source.revisions, names, log_spaced=log_spaced)
+        whole = sel.listed
         weights = dict(local_source.weights)
         entries = {r.name: _entry(r, weights.get(r.name), None) for r in whole}
     else:
         refs = list_refs(model, cache_dir=cache_dir)  # one request: every branch and tag with its commit
-        pattern = compile_pattern(recipe.revision_pattern)
-        commits = {**{n: n for n in (names or ()) if len(n) == _COMMIT_LEN and all(c in "0123456789abcdef" for c in n)}, **refs}
-        every = parse_revisions([*refs, *(names or ())], pattern=pattern, tokens_per_step=tokens_per_step, commits=commits)
-        wanted = set(names or ())
-        whole = [r for r in every if r.step is not None or r.name in wanted]  # the whole run, and what is named
-        aliases = [r for r in every if r.step is None and r.name not in wanted and r.name in refs]  # main, tags
+        sel = select_revisions(refs, names, pattern=recipe.revision_pattern, tokens_per_step=tokens_per_step, log_spaced=log_spaced)
+        whole, aliases = sel.listed, sel.aliases
         entries, todo = {}, []
         for r in [*whole, *aliases]:
             old = previous.entries.get(r.name) if previous is not None else None
@@ -401,13 +403,7 @@ def _compute(recipe, names, *, key, log_spaced, cache_dir, tokens_per_step, prev
         for n in t.members:
             entries.setdefault(n, previous.entries[n])
     weights = {n: Weights(dict(e["weights"])) for n, e in entries.items() if e.get("weights")}
-    if names is None:
-        chosen = [r for r in whole if r.step is not None]
-    else:
-        wanted = set(names)
-        chosen = [r for r in whole if r.name in wanted]
-    if log_spaced:
-        chosen = select_log_spaced(chosen, log_spaced)
+    chosen = sel.chosen
     m = Manifest(model, key, [], entries, aliases=[a.name for a in aliases], refs=dict(refs),
                  skip_duplicates=skip_duplicates or bool(previous and previous.skip_duplicates), written_at=time.time())  # fmt: skip
     planned = [r.name for r in chosen]

@@ -324,9 +324,3 @@ def moved_branches(records: Sequence[dict]) -> dict[str, list[str]]:
         if c is not None and c not in seen.setdefault(r["revision"], []):
             seen[r["revision"]].append(c)
     return {rev: commits for rev, commits in seen.items() if len(commits) > 1}
-
-
-def flagged_records(records: Sequence[dict]) -> list[dict]:
-    """The latest record of each revision flagged as a duplicate, in training order."""
-    latest = {r["revision"]: r for r in records}
-    return sorted((r for r in latest.values() if r.get("duplicate_of")), key=order_key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -245,10 +245,19 @@ def select_log_spaced(items: Sequence[R], count: int, pattern: str | re.Pattern 
     return training_order(picked, pattern)
 
 
-# ---- listing ------------------------------------------------------------------------------------------
+# ---- commit ids ---------------------------------------------------------------------------------------
+# A commit id is 40 lowercase hex digits: what the hub reports (list_repo_refs' target_commit, model_info's sha)
+# and what keys the store and the metadata cache. Uppercase is not read as one: the same commit spelled twice
+# would be two done keys. A ref of that spelling (a branch named with 40 hex letters) is the ref it is.
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
+def is_commit_id(name: str) -> bool:
+    """Whether ``name`` is a full commit id (40 lowercase hex digits), not a branch or tag name."""
+    return _COMMIT.fullmatch(name) is not None
+
+
+# ---- listing ------------------------------------------------------------------------------------------
 def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
     """Every branch and tag of a hub model with the commit it points at (``list_repo_refs``'
     ``target_commit``). Offline (``HF_HUB_OFFLINE=1``), the refs of the local cache (``refs/<name>``
@@ -286,34 +295,44 @@ def list_revisions(
     return revs if stepless else [r for r in revs if r.step is not None]
 
 
-def resolve_revisions(
-    model: str,
+@dataclass(frozen=True)
+class RevisionSelection:
+    """What a replay measures of a run's listing, and what else the plan keeps of it (``select_revisions``)."""
+
+    chosen: list[Revision]  # what is measured, in training order
+    listed: list[Revision]  # every revision with a step, and every named one: the run the duplicate groups are found over
+    aliases: list[Revision]  # refs without a step that were not named (main, tags): names a duplicate may be known by
+
+
+def select_revisions(
+    listing: Mapping[str, str | None] | Sequence[Revision],
     names: Sequence[str] | None = None,
     *,
-    cache_dir: str | None = None,
     pattern: str | re.Pattern | None = None,
     tokens_per_step: int | None = None,
     log_spaced: int | None = None,
-) -> tuple[list[Revision], dict[str, str]]:
-    """What a hub replay measures: the ``names`` asked for (a recipe's, ``--revisions``) or every listed
-    revision with a step, then ``log_spaced`` of them; each with its commit, in training order.
-    Returns them and the model's refs (name -> commit, ``main`` included: what duplicates are named by).
+) -> RevisionSelection:
+    """The revision-selection rule of a replay: the ``names`` asked for (a recipe's, ``--revisions``) or every
+    listed revision with a step, then ``log_spaced`` of them (per run), in training order.
 
-    A named revision that is no ref keeps no commit (a commit id is its own): loading it then fails
-    and is recorded as failed. Names are parsed together with every ref, so a stage-2 name given
-    alone still continues from stage 1's listed end."""
-    refs = list_refs(model, cache_dir=cache_dir)
-    pattern = compile_pattern(pattern)
-    commits = {**{n: n for n in (names or ()) if _COMMIT.fullmatch(n)}, **refs}
-    every = parse_revisions([*refs, *(names or ())], pattern=pattern, tokens_per_step=tokens_per_step, commits=commits)
-    if names is None:
-        revs = [r for r in every if r.step is not None]
+    ``listing``: a hub model's refs (name -> commit, ``list_refs``), parsed here together with ``names`` so
+    a stage-2 name given alone still continues from stage 1's listed end; a named revision that is no ref
+    keeps its own name as commit when it is a commit id (``is_commit_id``: 40 lowercase hex digits), else
+    none (loading it then fails and is recorded as failed); a ref always wins over that reading. Refs
+    without a step that were not named (``main``, tags) are ``aliases``, never measured; named, they are
+    measured (last: no step). Or a local run's revisions (already parsed, each a checkpoint): all listed."""
+    wanted = set(names or ())
+    if isinstance(listing, Mapping):
+        commits = {**{n: n for n in wanted if is_commit_id(n)}, **listing}
+        every = parse_revisions([*listing, *(names or ())], pattern=pattern, tokens_per_step=tokens_per_step, commits=commits)
+        listed = [r for r in every if r.step is not None or r.name in wanted]
+        aliases = [r for r in every if r.step is None and r.name not in wanted]
     else:
-        wanted = set(names)
-        revs = [r for r in every if r.name in wanted]
+        listed, aliases = list(listing), []
+    chosen = [r for r in listed if r.step is not None] if names is None else [r for r in listed if r.name in wanted]
     if log_spaced:
-        revs = select_log_spaced(revs, log_spaced)
-    return revs, refs
+        chosen = select_log_spaced(chosen, log_spaced)
+    return RevisionSelection(chosen=chosen, listed=listed, aliases=aliases)
 
 
 def _cache_repo_dir(model: str, cache_dir: str | None) -> Path:

@@ -26,60 +26,33 @@ bare node a hang is the user's to kill (an engine's time limit does it for you).
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
-from ..monitor import MonitorConfig
 from . import attempts
 from .ablation import ablation_key, check_ablation
 from .devices import worker_device
-from .fetch import FetchConfig
 from .manifest import Task
 from .measure import Job, Measurer
+from .options import PLAN, REPLAY, ReplayOptions
 from .plan import Plan, device_budgets, make_plan
-from .prepare import prepare_replay
+from .prepare import ablation_at, prepare_replay
 from .progress import _status
 from .recipes import Recipe
-from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
 from .store import done_key, key_of, record_done_key, stored_records
 from .workers import detect_worker
 
 
 # ---- the public entry points ------------------------------------------------------------------------------------
-def replay(
-    model: str | Recipe,
-    *,
-    revisions: Sequence[str | Revision] | None = None,
-    log_spaced: int | None = None,
-    all_revisions: bool = False,
-    out_dir: str | os.PathLike = "runs/replay",
-    probes: Sequence | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-    shard: tuple[int, int] | None = None,
-    cache_dir: str | None = None,
-    tokens_per_step: int | None = None,
-    batch_tokens: int | None = None,
-    wandb: str = "disabled",
-    progress: bool = True,
-    monitor_config: MonitorConfig | None = None,
-    protocol: str | None = None,
-    ablate: bool | None = None,
-    ablation_revision: str | None = None,
-    fetch: FetchConfig | None = None,
-    max_memory: int | str | None = None,
-    lightning_module: str | None = None,
-    live_store: str | None = None,
-    skip_duplicates: bool = False,
-    rewrite_manifest: bool = False,
-) -> list[dict]:
+def replay(model: str | Recipe, *, options: ReplayOptions | None = None, **kwargs) -> list[dict]:
     """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows this
     worker wrote (ok, failed, skipped). Run it in as many processes as you like, on any hosts sharing
     ``out_dir`` (see the module doc: a stride of the manifest's tasks, then one pass; ``shard=(i, n)``
     is the stride when no launcher gives one). Under an engine use ``replay_revision``.
+
+    Options: ``options=ReplayOptions(...)`` and/or its fields as keywords (laid over it); an unknown one,
+    or one only ``replay_plan`` reads, is a TypeError. ``ReplayOptions`` says what each one does.
 
     Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (``all_revisions``: every
     published one, whatever the recipe lists; ``log_spaced``: N of them). The first run into an empty
@@ -106,24 +79,13 @@ def replay(
     downloaded, ``cache_root`` moves the folders); ``max_memory`` (``"24GiB"``): the memory each device
     may use, instead of what it has free.
     """
-    fetch = fetch or FetchConfig()
-    s = prepare_replay(
-        model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, probes=probes, dtype=dtype,
-        tokens_per_step=tokens_per_step, batch_tokens=batch_tokens, monitor_config=monitor_config, protocol=protocol,
-        cache_dir=cache_dir, lightning_module=lightning_module, live_store=live_store, skip_duplicates=skip_duplicates,
-        out_dir=out_dir, manifest="use", rewrite_manifest=rewrite_manifest, running=attempts.running(out_dir), policy=fetch,
-    )  # fmt: skip
-    s.ablation = ablation_revision or s.recipe.ablation_revision
-    if ablate is None:
-        ablate = s.protocol == "paper" and s.ablation is not None
-    if ablate:
-        s.ablation = s.ablation or s.revisions[-1].name
-        check_ablation(out_dir, ablation_key(s.key, s.ablation))  # refused before anything is probed
-    else:
-        s.ablation = None
-    loop = _Loop(s, out_dir=out_dir, device=device, cache_dir=cache_dir, wandb=wandb, progress=progress, fetch=fetch,
-                 max_memory=max_memory)  # fmt: skip
-    return loop.run(stride(shard))
+    o = ReplayOptions.given(options, kwargs, reader=REPLAY, what="replay()")
+    s = prepare_replay(model, o, manifest="use", running=attempts.running(o.out_dir))
+    s.ablation = ablation_at(s, o)
+    if s.ablation is not None:
+        check_ablation(o.out_dir, ablation_key(s.key, s.ablation))  # refused before anything is probed
+    loop = _Loop(s, **o.loop(progress=True))
+    return loop.run(stride(o.shard))
 
 
 def stride(shard: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -142,56 +104,27 @@ def stride(shard: tuple[int, int] | None = None) -> tuple[int, int]:
     return w.index, w.count or 1
 
 
-def replay_plan(
-    model: str | Recipe,
-    *,
-    revisions: Sequence[str | Revision] | None = None,
-    log_spaced: int | None = None,
-    all_revisions: bool = False,
-    out_dir: str | os.PathLike = "runs/replay",
-    probes: Sequence | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-    shard: tuple[int, int] | None = None,
-    cache_dir: str | None = None,
-    tokens_per_step: int | None = None,
-    batch_tokens: int | None = None,
-    monitor_config: MonitorConfig | None = None,
-    protocol: str | None = None,
-    ablation_revision: str | None = None,
-    fetch: FetchConfig | None = None,
-    max_memory: int | str | None = None,
-    workers: int | None = None,
-    bandwidth_mb_s: float | None = None,
-    tflops: float | None = None,
-    skip_duplicates: bool = False,
-    lightning_module: str | None = None,
-    live_store: str | None = None,
-    rewrite_manifest: bool = False,
-) -> Plan:
+def replay_plan(model: str | Recipe, *, options: ReplayOptions | None = None, **kwargs) -> Plan:
     """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
-    is downloaded but file metadata and a config.json, nothing is written."""
-    fetch = fetch or FetchConfig()
-    s = prepare_replay(
-        model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, probes=probes, dtype=dtype,
-        tokens_per_step=tokens_per_step, batch_tokens=batch_tokens, monitor_config=monitor_config, protocol=protocol,
-        cache_dir=cache_dir, lightning_module=lightning_module, live_store=live_store, skip_duplicates=skip_duplicates,
-        out_dir=out_dir, manifest="peek", rewrite_manifest=rewrite_manifest, policy=fetch,
-    )  # fmt: skip
+    is downloaded but file metadata and a config.json, nothing is written. Options as ``replay``'s, and the
+    estimate's own (``workers``, ``bandwidth_mb_s``, ``tflops``); replay's ``options=`` object is taken whole."""
+    o = ReplayOptions.given(options, kwargs, reader=PLAN, what="replay_plan()")
+    s = prepare_replay(model, o, manifest="peek")
     worker = detect_worker()
     # done as the loop decides it: by done key (a moved branch, a rewritten checkpoint: to do again)
-    stored = {record_done_key(r) for r in stored_records(out_dir) if key_of(r) == s.key} if Path(out_dir).is_dir() else set()
+    stored = {record_done_key(r) for r in stored_records(o.out_dir) if key_of(r) == s.key} if Path(o.out_dir).is_dir() else set()
     order = {n: i for i, n in enumerate(s.manifest.revisions)}
     planned = sorted((r for t in s.tasks for r in s.needed(t)), key=lambda r: order[r.name])  # training order
     done = {r.name for r in planned if done_key(s.key, r.name, r.commit) in stored}
+    workers = o.workers
     if workers is None:
-        rank, world = shard or (worker.index, worker.count or 1)
+        rank, world = o.shard or (worker.index, worker.count or 1)
         workers, source = world, ("from " + worker.launcher if worker.launcher != "single" else "this process alone; --workers N")
-        if shard is not None:
+        if o.shard is not None:
             source = "--shard"
     else:
         source = "--workers"
-    dev = worker_device(device, worker)
+    dev = worker_device(o.device, worker)
     return make_plan(
         s.recipe.model,
         planned,
@@ -202,13 +135,13 @@ def replay_plan(
         probes=s.probes,
         workers=workers,
         worker_source=source,
-        cache_dir=cache_dir,
-        fetch=fetch,
+        cache_dir=o.cache_dir,
+        fetch=o.fetch,
         device=dev,
-        budgets=device_budgets(dev, max_memory, worker.local_rank),
-        **({"bandwidth_mb_s": bandwidth_mb_s} if bandwidth_mb_s else {}),
-        tflops=tflops,
-        ablation=ablation_revision or s.recipe.ablation_revision,
+        budgets=device_budgets(dev, o.max_memory, worker.local_rank),
+        **({"bandwidth_mb_s": o.bandwidth_mb_s} if o.bandwidth_mb_s else {}),
+        tflops=o.tflops,
+        ablation=o.ablation_revision or s.recipe.ablation_revision,
         duplicates={name: group.duplicate_of for name, group in s.flags.items()},
         tasks=len(s.tasks),
     )

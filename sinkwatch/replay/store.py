@@ -161,14 +161,6 @@ class ReplayStore:
         """Successful records (made with ``key``, when given), in the order they were written (``write_order``)."""
         return write_order(r for r in self.rows() if _is_ok_record(r) and (key is None or key_of(r) == key))
 
-    def done_keys(self, key: dict | None = None) -> set[str]:
-        """``done_key`` of every successful record anywhere in the store (made with ``key``, when given)."""
-        return {record_done_key(r) for r in self.ok_records(key)}
-
-    def done(self, key: dict | None = None) -> set[str]:
-        """Revision names with a successful record anywhere in the store (made with ``key``, when given)."""
-        return {r["revision"] for r in self.ok_records(key) if r.get("revision") is not None}
-
     def record_path(self, done: str, *, failed: bool = False) -> Path:
         return self.path / (f"{done}.failed.json" if failed else f"{done}.json")
 

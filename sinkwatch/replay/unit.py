@@ -22,18 +22,14 @@ from pathlib import Path
 
 from ..stages import StageTracker
 from . import attempts
-from .fetch import FetchConfig
 from .manifest import MANIFEST_FILE, Manifest, Task, array_range, write_atomic
 from .measure import Measurer
 from .merged import merged_records
-from .prepare import ReplaySetup, prepare_replay
+from .options import UNIT, ReplayOptions
+from .prepare import ablation_at, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
 from .store import ReplayStore, done_key
-
-_SETUP = ("probes", "dtype", "tokens_per_step", "batch_tokens", "monitor_config", "protocol", "lightning_module", "live_store")
-_LOOP = ("device", "wandb", "progress", "max_memory")
-_IGNORED = ("revisions", "log_spaced", "all_revisions", "shard", "ablate", "ablation_revision", "rewrite_manifest")  # the plan's
 
 
 class _UnitLoop(Measurer):
@@ -51,41 +47,23 @@ class RevisionFailed(RuntimeError):
     """A task's measurement failed; its failed rows are in the store (an engine may retry the task)."""
 
 
-def _split(options: dict, allowed: tuple[str, ...], what: str) -> tuple[dict, dict, FetchConfig, str | None, bool]:
-    unknown = sorted(set(options) - set(_SETUP) - set(_LOOP) - {"fetch", "cache_dir", "skip_duplicates"} - set(allowed))
-    if unknown:
-        takes = ", ".join((*_SETUP, *_LOOP, "fetch", "cache_dir", "skip_duplicates"))
-        raise TypeError(f"{what} got unexpected options {unknown}; it takes replay's options ({takes})")
-    setup = {k: options.get(k) for k in _SETUP}
-    loop = {"device": options.get("device"), "wandb": options.get("wandb", "disabled"), "progress": options.get("progress", False),
-            "max_memory": options.get("max_memory")}  # fmt: skip
-    return setup, loop, options.get("fetch") or FetchConfig(), options.get("cache_dir"), bool(options.get("skip_duplicates"))
+def _options(out_dir, options: ReplayOptions | None, kwargs: dict, what: str) -> ReplayOptions:
+    """The options of an engine's step: replay's (a driver passes one set to every step); the selection is the manifest's."""
+    return ReplayOptions.given(options, {**kwargs, "out_dir": out_dir}, reader=UNIT, what=what)
 
 
-def _require(model, out_dir, options: dict, allowed: tuple[str, ...], what: str) -> tuple[ReplaySetup, dict, FetchConfig, str | None]:
-    setup, loop, fetch, cache_dir, skip = _split(options, allowed, what)
-    s = prepare_replay(model, revisions=None, log_spaced=None, cache_dir=cache_dir, out_dir=out_dir, manifest="require",
-                       skip_duplicates=skip, **setup)  # fmt: skip
-    return s, loop, fetch, cache_dir
-
-
-def write_manifest(
-    model, *, out_dir, revisions=None, log_spaced=None, all_revisions=False, cache_dir=None, skip_duplicates=False, rewrite=False,
-    **options,
-) -> Manifest:  # fmt: skip
+def write_manifest(model, *, out_dir, rewrite: bool = False, options: ReplayOptions | None = None, **kwargs) -> Manifest:
     """The plan of this replay in ``DIR/manifest.json`` (the driver, once, before the tasks start): refs,
     commits, fingerprints of every listed revision, duplicate groups over the whole run, and the named
     tasks. An existing manifest that plans this selection is returned as it is (no hub request);
-    ``rewrite=True`` updates it — new revisions appended as new tasks, moved branches fingerprinted again,
-    every existing task kept under its name and index — and is refused while a task is running."""
-    setup, _, fetch, _, _ = _split(options, ("ablate", "ablation_revision", "progress", "wandb", "shard"), "write_manifest")
-    s = prepare_replay(model, revisions=revisions, log_spaced=log_spaced, all_revisions=all_revisions, cache_dir=cache_dir,
-                       skip_duplicates=skip_duplicates, out_dir=out_dir, manifest="use", rewrite_manifest=rewrite,
-                       running=attempts.running(out_dir) if Path(out_dir).is_dir() else {}, policy=fetch, **setup)  # fmt: skip
+    ``rewrite=True`` (``rewrite_manifest``) updates it — new revisions appended as new tasks, moved branches
+    fingerprinted again, every existing task kept under its name and index — and is refused while a task is running."""
+    o = _options(out_dir, options, {**kwargs, **({"rewrite_manifest": True} if rewrite else {})}, "write_manifest()")
+    s = prepare_replay(model, o, manifest="use", running=attempts.running(out_dir) if Path(out_dir).is_dir() else {})
     return s.manifest
 
 
-def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> dict:
+def replay_revision(model, task, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> dict:
     """Measure one task of the manifest into the store ``out_dir`` and return a record: the unit an engine
     maps over the manifest's task names (Ray tasks, submitit jobs, Slurm array tasks via ``--task``).
     ``task``: a task name (``Manifest.task_names()``) or a revision a task holds (its record is returned;
@@ -93,7 +71,8 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> di
     that writes it, when absent), lists nothing. Writes a record for every member not recorded yet —
     those with identical weights measured once, a member recorded by an earlier attempt not measured
     again. A failure writes the failed rows, then raises ``RevisionFailed``."""
-    s, loop_opts, fetch, cache_dir = _require(model, out_dir, options, _IGNORED, "replay_revision")
+    o = _options(out_dir, options, kwargs, "replay_revision()")
+    s = prepare_replay(model, o, manifest="require")
     name = task.name if isinstance(task, (Revision, Task)) else str(task)
     t = s.manifest.find_task(name)
     s.tasks = [t]
@@ -102,7 +81,7 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> di
     asked = s.rev(name) if name in t.members else (needed or [s.rev(t.members[0])])[0]
     if all(store.is_done(done_key(s.key, r.name, r.commit)) for r in needed):
         return store.read(done_key(s.key, asked.name, asked.commit))
-    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, **loop_opts)
+    loop = _UnitLoop(s, **o.loop(progress=False))
     with terminate_cleanly() as ours:
         try:
             job = loop._start(t)
@@ -127,15 +106,15 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> di
     return store.read(done_key(s.key, asked.name, asked.commit))
 
 
-def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[str]:
+def failed_tasks(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> list[str]:
     """Names of the manifest's tasks with a member not recorded (failed, killed, never run): what to
     resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices."""
-    s, _, _, _ = _require(model, out_dir, options, ("shard", "ablate", "ablation_revision", "progress", "wandb"), "failed_tasks")
+    s = prepare_replay(model, _options(out_dir, options, kwargs, "failed_tasks()"), manifest="require")
     store = ReplayStore(out_dir)
     return [t.name for t in s.manifest.task_list if not all(store.is_done(done_key(s.key, r.name, r.commit)) for r in s.needed(t))]
 
 
-def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, ablation_revision: str | None = None, **options) -> dict:
+def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> dict:
     """After the tasks (a job on ``afterany``, never beside running tasks): an attempt that began and never
     ended (killed by SIGKILL) gets a failed row for each member it did not record, what attempts left in
     the task folders is swept (unless ``keep_cache``), the stages are derived over the whole store in step
@@ -144,10 +123,12 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     "missing", "skipped", "killed", "trajectory", "ablation"}``."""
     from .ablation import ablation_key, check_ablation, read_ablation
 
-    s, loop_opts, fetch, cache_dir = _require(model, out_dir, options, ("shard", "progress", "wandb"), "finalize")
+    o = _options(out_dir, options, kwargs, "finalize()")
+    s = prepare_replay(model, o, manifest="require")
+    fetch = o.fetch
     store = ReplayStore(out_dir)
     m = s.manifest
-    loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, **loop_opts)
+    loop = _UnitLoop(s, **o.loop(progress=False))
     killed = []
     for name, info in attempts.running(out_dir).items():
         task = next((t for t in m.task_list if t.name == name), None)
@@ -175,12 +156,9 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     records = merged_records(out_dir)
     fields = ("revision", "step", "tokens", "run", "p0_stage", "induction_state")
     trajectory = [{k: r.get(k) for k in fields} for r in records]
-    s.ablation = ablation_revision or s.recipe.ablation_revision
-    if ablate is None:
-        ablate = s.protocol == "paper" and s.ablation is not None
+    s.ablation = ablation_at(s, o)
     ablation = None
-    if ablate:
-        s.ablation = s.ablation or s.revisions[-1].name
+    if s.ablation is not None:
         check_ablation(out_dir, ablation_key(s.key, s.ablation))
         try:
             loop._ablation()
