@@ -74,10 +74,10 @@ def probe_recipes(args, tokenizer_source: str | None):
 
 
 def cmd_probe(args) -> int:
-    from .gguf import dense_from_gguf, is_gguf
-    from .loading import load_model
-    from .monitor import Monitor, MonitorConfig
-    from .reporting.console import summary
+    from .models.gguf import dense_from_gguf, is_gguf
+    from .models.loading import load_model
+    from .probe.monitor import Monitor, MonitorConfig
+    from .reporters.console import summary
 
     source = args.model
     if is_gguf(source):  # a real model shipped as GGUF: dequantised once into a cached save_pretrained folder
@@ -102,7 +102,7 @@ def cmd_replay(args) -> int:
     from .replay import Recipe, format_plan, is_recipe, load_recipe, read_ablation, replay, replay_plan
     from .replay.options import from_args
     from .replay.protocol import probes_with_options
-    from .reporting.wandb_run import wandb_mode_from_env
+    from .reporters.wandb_run import wandb_mode_from_env
 
     if is_recipe(args.target):
         recipe = load_recipe(args.target)
@@ -188,7 +188,7 @@ def cmd_demo(args) -> int:
         return cmd_demo_p0(args)
     if args.model is not None:
         raise SystemExit("sinkwatch demo: --model goes with --p0 (the induction demo builds its own byte-level model)")
-    from .demo import run_demo
+    from .demo.induction import run_demo
 
     args.steps = 2000 if args.steps is None else args.steps
     args.every = 100 if args.every is None else args.every
@@ -207,7 +207,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_demo_p0(args) -> int:
-    from .demo_p0 import DEMO_STEPS, run_p0_demo
+    from .demo.p0 import DEMO_STEPS, run_p0_demo
 
     steps = DEMO_STEPS if args.steps is None else args.steps
     every = 5 if args.every is None else args.every

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import metrics
-from ..loading import HubUnreachableError, load_model, loaded_attention
-from ..monitor import Monitor
+from ..models.loading import HubUnreachableError, load_model, loaded_attention
+from ..probe.monitor import Monitor
 from ..records import jsonable
-from ..reporting.jsonl import read_jsonl
+from ..reporters.jsonl import read_jsonl
 from .progress import _status
 from .recipes import Recipe
 from .store import StoreMismatchError, key_difference, key_of, record_files, write_order

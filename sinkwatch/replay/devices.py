@@ -7,8 +7,8 @@ import dataclasses
 import gc
 import warnings
 
-from ..loading import default_device
-from ..monitor import Monitor
+from ..models.loading import default_device
+from ..probe.monitor import Monitor
 from .workers import Worker
 
 

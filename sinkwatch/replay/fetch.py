@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..loading import hub_offline
+from ..models.loading import hub_offline
 from .hub import RemoteFile, remote_files
 from .retries import FetchError, RetryPolicy, _short, call_with_retries, is_transient  # noqa: F401 - re-exported
 from .revisions import Revision

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ..probes import ProbeSet, make_induction_probe, make_repeated_random_probe
-from ..reporting.jsonl import PROBES_FILE  # in a live store: the callback's probe sets and natural windows
+from ..reporters.jsonl import PROBES_FILE  # in a live store: the callback's probe sets and natural windows
 from . import litgpt_checkpoints
 from .hub import is_weight_file
 from .provenance import Weights, weights_of_files
@@ -175,7 +175,7 @@ class LocalRun:
 
     def load(self, rev: Revision, *, dtype: str = "float32", device: str | None = None):
         """The model of one revision, in eval mode on ``device``."""
-        from ..loading import default_device, load_model, parse_dtype
+        from ..models.loading import default_device, load_model, parse_dtype
 
         if self.kind == "hf":
             return load_model(str(rev.path), dtype=dtype, device=device)

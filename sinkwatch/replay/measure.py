@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..loading import HubUnreachableError, hub_offline, load_model, loaded_attention
-from ..monitor import PAPER_PR_SEQUENCES, Monitor
+from ..models.loading import HubUnreachableError, hub_offline, load_model, loaded_attention
+from ..probe.config import PAPER_PR_SEQUENCES
+from ..probe.monitor import Monitor
 from ..probes import ProbeSet
 from ..stages import StageTracker
 from . import attempts
@@ -444,7 +445,7 @@ def _replay_wandb(mode: str, out_dir, recipe: Recipe, worker: Worker):
     if mode == "disabled":
         return None
     try:
-        from ..reporting.wandb_run import wandb_reporter
+        from ..reporters.wandb_run import wandb_reporter
 
         name = f"{recipe.name or recipe.model.split('/')[-1]} {worker.id}"
         return wandb_reporter(mode, project="sinkwatch-replay", dir=str(out_dir), init_kwargs={"name": name, "group": store_group(out_dir)})

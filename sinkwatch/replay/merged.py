@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..reporting.jsonl import read_jsonl
+from ..reporters.jsonl import read_jsonl
 from ..stages import StageTracker
 from .manifest import read_manifest
 from .provenance import Weights

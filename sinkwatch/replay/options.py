@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..loading import DTYPES
-from ..monitor import PROTOCOLS, MonitorConfig
+from ..models.loading import DTYPES
+from ..probe.config import PROTOCOLS, MonitorConfig
 from .fetch import FetchConfig
 from .revisions import Revision
 from .store import parse_shard

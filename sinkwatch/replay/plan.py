@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..loading import DTYPES, default_device, hub_offline
+from ..models.loading import DTYPES, default_device, hub_offline
 from .fetch import FetchConfig, call_with_retries, files_to_fetch
 from .hub import RemoteFile, remote_files
 from .revisions import Revision

@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..monitor import MonitorConfig
+from ..probe.config import MonitorConfig
 from .local import is_local
 from .manifest import MANIFEST_FILE, Manifest, Task, local_source
 from .manifest import resolve as resolve_manifest

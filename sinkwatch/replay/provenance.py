@@ -164,7 +164,7 @@ def fingerprints(
     revision's files, the hub's metadata (online) or the local cache (``HF_HUB_OFFLINE=1``). A revision
     whose metadata cannot be read gets no entry (one warning; ``errors``, when given, gets name -> why):
     it is never called a duplicate on a guess, and its task asks again when it runs."""
-    from ..loading import hub_offline
+    from ..models.loading import hub_offline
 
     offline = hub_offline() if offline is None else offline
     out: dict[str, Weights] = {}

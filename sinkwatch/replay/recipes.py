@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ..monitor import PROTOCOLS
+from ..probe.config import PROTOCOLS
 from ..probes import InductionProbe, NaturalProbe, RepeatedRandomProbe
 from .revisions import compile_pattern
 

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..loading import HubUnreachableError, _is_network_error, hub_offline
+from ..models.loading import HubUnreachableError, _is_network_error, hub_offline
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 _NUM = r"\d+(?:\.\d+)?"

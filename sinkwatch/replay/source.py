@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..loading import load_model
+from ..models.loading import load_model
 from .local import LocalRun, is_local, local_run, warn_notes
 from .provenance import Weights
 from .recipes import Recipe
