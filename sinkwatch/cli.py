@@ -198,12 +198,7 @@ def cmd_demo(args) -> int:
         f"for {args.steps} steps on {args.device}; probing every {args.every} steps"
     )
     res = run_demo(steps=args.steps, out=args.out, seed=args.seed, wandb=args.wandb, device=args.device, every=args.every)
-    print(f"\ndone in {res['seconds']:.0f} s: P0 stage {res['p0_stage']}, induction {res['induction_state']}")
-    for e in res["events"]:
-        print(f"  event: {e['message']}")
-    print(f"records: {res['records']}")
-    print(f"report:  {res['report']}")
-    return 0
+    return _demo_done(res, f"P0 stage {res['p0_stage']}, induction {res['induction_state']}")
 
 
 def cmd_demo_p0(args) -> int:
@@ -221,7 +216,12 @@ def cmd_demo_p0(args) -> int:
     res = run_p0_demo(out=args.out or "sinkwatch-demo-p0", model=args.model, steps=steps, every=every,
                       wandb="disabled" if args.wandb is None else args.wandb, command=f"sinkwatch demo --p0 {argv}".strip())  # fmt: skip
     blocks = ", ".join(map(str, res["knocked_out"]))
-    print(f"\ndone in {res['seconds']:.0f} s (the MLP of block {blocks} knocked out): P0 stage {res['p0_stage']}")
+    return _demo_done(res, f"P0 stage {res['p0_stage']}", f" (the MLP of block {blocks} knocked out)")
+
+
+def _demo_done(res: dict, stages: str, what: str = "") -> int:
+    """A demo's closing lines: its time and stages, each event, where its records and report are."""
+    print(f"\ndone in {res['seconds']:.0f} s{what}: {stages}")
     for e in res["events"]:
         print(f"  event: {e['message']}")
     print(f"records: {res['records']}")
