@@ -1,7 +1,7 @@
 """Measuring one task (docs/design.md §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
 
-1. ``begin``: the task's attempt starts (``attempts``: its own download folder emptied, its marker
-   written); a member whose weights the manifest could not read is asked about again, and flagged
+1. ``begin``: the task's attempt starts (``attempts``: a folder and a held marker of its own, beside any
+   other attempt at that task); a member whose weights the manifest could not read is asked about again, and flagged
    when that finds a duplicate;
 2. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
 3. ``fetch``: downloaded by commit into the task's folder on one background thread (``fetch.Fetcher``;
@@ -55,7 +55,7 @@ class Job:
     task: Task
     rev: Revision
     todo: list[Revision]
-    folder: Path | None = None
+    attempt: attempts.Attempt | None = None
     placement: Placement | None = None
     error: BaseException | None = None
     reuse: dict | None = None  # a member's record from an earlier attempt: the same weights, not measured again
@@ -90,7 +90,7 @@ class Measurer:
         self.reporter = _replay_wandb(wandb, out_dir, s.recipe, self.worker)
         self.bar = _counter(len(s.tasks), progress, s.recipe.model)
         self._shapes: dict[str, ModelShape] = {}
-        self._kept: tuple[Revision, Path, str] | None = None  # the ablation revision, on disk until the ablation ran
+        self._kept: tuple[Revision, Path, attempts.Attempt] | None = None  # the ablation revision, on disk until the ablation ran
         self.open: dict[str, Job] = {}  # task -> its attempt, begun and not ended
 
     def _check_store(self) -> None:
@@ -107,7 +107,7 @@ class Measurer:
         if not todo:
             return None
         job = Job(task, todo[0], todo)
-        job.folder = attempts.begin(self.out_dir, task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+        job.attempt = attempts.begin(self.out_dir, task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
         self.open[task.name] = job
         try:
             self._verify(job)
@@ -131,7 +131,7 @@ class Measurer:
             job.error = exc
             return job
         if self.fetch_config.prefetch:
-            self.fetcher.prefetch(job.rev, job.folder)
+            self.fetcher.prefetch(job.rev, job.attempt.folder)
         return job
 
     def _verify(self, job: Job) -> None:
@@ -172,7 +172,7 @@ class Measurer:
             return None
         _status(self.bar, job.rev.name, "download")
         try:
-            job.path = self.fetcher.fetch(job.rev, job.folder)
+            job.path = self.fetcher.fetch(job.rev, job.attempt.folder)
             return job.path
         except HubUnreachableError:
             raise
@@ -275,11 +275,10 @@ class Measurer:
     def _end(self, job: Job) -> None:
         """The attempt is over: its folder emptied (the ablation revision's stays until the ablation ran),
         its marker gone, the device cache emptied."""
-        keep = self.fetch_config.keep_cache
-        if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not keep:
-            self._kept = (job.rev, job.path, job.task.name)
-            keep = True
-        attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=keep)
+        if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not self.fetch_config.keep_cache:
+            self._kept = (job.rev, job.path, job.attempt)  # its attempt lives on (its folder held) until the ablation ran
+        else:
+            job.attempt.end()
         self.open.pop(job.task.name, None)
         empty_device_cache()
 
@@ -295,7 +294,7 @@ class Measurer:
                     self.write_failed(job, why)
             except OSError as err:  # a full disk fails the failed row too: the task stays unrecorded, as --failed-tasks says
                 warnings.warn(f"sinkwatch replay: no failed row for task {job.task.name} ({err})", RuntimeWarning, stacklevel=2)
-            attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            job.attempt.end()
             self.open.pop(job.task.name, None)
 
     def _probe(self, rev: Revision, path: Path, placement: Placement | None) -> dict:
@@ -405,21 +404,21 @@ class Measurer:
             return
         task = f"ablation {name}"
         kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
-        folder = attempts.begin(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+        attempt = attempts.begin(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
         try:
             run_ablation(
                 self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
                 cache_dir=self.cache_dir, bar=self.bar, commit=rev.commit,
                 # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
-                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev, folder)), dt, None),
+                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev, attempt.folder)), dt, None),
             )  # fmt: skip
         finally:
-            attempts.end(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            attempt.end()
             self._drop_kept(name)
 
     def _drop_kept(self, name: str | None = None) -> None:
         if self._kept is not None and (name is None or self._kept[0].name == name):
-            attempts.end(self.out_dir, self._kept[2], root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            self._kept[2].end()
             self._kept = None
 
     def _close(self, *, wait: bool) -> None:

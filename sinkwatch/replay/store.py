@@ -223,6 +223,9 @@ class ReplayStore:
                 self.record_path(done, failed=True).unlink(missing_ok=True)
             else:
                 os.replace(tmp, self.record_path(done, failed=True))
+                if final.exists():  # another attempt's success landed meanwhile: no failed row beside it
+                    self.record_path(done, failed=True).unlink(missing_ok=True)
+                    return False
         finally:
             tmp.unlink(missing_ok=True)
         return True

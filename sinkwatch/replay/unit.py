@@ -148,15 +148,18 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     store = ReplayStore(out_dir)
     m = s.manifest
     loop = _UnitLoop(s, out_dir=out_dir, cache_dir=cache_dir, fetch=fetch, **loop_opts)
-    killed = []
-    for name, info in attempts.running(out_dir).items():
-        task = next((t for t in m.task_list if t.name == name), None)
+    killed, live = [], []
+    for mark in attempts.markers(out_dir):  # a live attempt (beside finalize: a requeue, a late task) writes its own outcome
+        if mark.alive():
+            live.append(mark.task)
+            continue
+        task = next((t for t in m.task_list if t.name == mark.task), None)
         for r in s.needed(task) if task is not None else ():
             row = store.read(done_key(s.key, r.name, r.commit))
-            if row is None or (row.get("status") == "failed" and (row.get("written_at") or 0) < info.get("started_at", 0)):
-                store.write({**loop._base(r), "status": "failed", "error": attempts.killed_error(info)})
+            if row is None or (row.get("status") == "failed" and (row.get("written_at") or 0) < mark.info.get("started_at", 0)):
+                store.write({**loop._base(r), "status": "failed", "error": attempts.killed_error(mark.info)})
                 killed.append(r.name)
-        attempts.end(out_dir, name, root=fetch.cache_root, keep=fetch.keep_cache)
+        mark.remove(fetch.cache_root, folder=not fetch.keep_cache)
     if not fetch.keep_cache:
         attempts.sweep(out_dir, [*m.task_names(), *(f"ablation {n}" for n in m.entries)], root=fetch.cache_root)
     done, failed, missing, skipped = [], {}, [], []
@@ -191,7 +194,7 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
         loop._close(wait=True)
     order = {n: i for i, n in enumerate(m.revisions)}
     summary = {"done": sorted(done, key=order.get), "failed": failed, "missing": missing, "skipped": skipped, "killed": killed,
-               "trajectory": trajectory, "ablation": ablation}  # fmt: skip
+               "running": sorted(set(live)), "trajectory": trajectory, "ablation": ablation}  # fmt: skip
     write_atomic(Path(out_dir) / "trajectory.json", {k: v for k, v in summary.items() if k != "ablation"})
     return summary
 
