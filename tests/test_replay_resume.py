@@ -263,7 +263,7 @@ def test_a_revision_whose_metadata_failed_is_asked_again_when_its_task_runs(onli
         online.add_revision("org/meta", branch, weights[w])
     c = {b: online.commit_of("org/meta", b) for b in ("step100", "step200")}
     online.fail(f"/api/models/org/meta/revision/{c['step100']}", times=1, status=503)  # the manifest's request only
-    online.fail(f"/api/models/org/meta/revision/{c['step200']}", times=2, status=503)  # the manifest's and the task's
+    online.fail(f"/api/models/org/meta/revision/{c['step200']}", times=3, status=503)  # the manifest's, step100's task's, its own task's
     store = tmp_path / "store"
     with pytest.warns(RuntimeWarning, match="no weights fingerprint for step100 .*step200 "):
         write_manifest("org/meta", out_dir=store, probes=PROBES, fetch=FAST)
@@ -278,6 +278,51 @@ def test_a_revision_whose_metadata_failed_is_asked_again_when_its_task_runs(onli
     md = build_report([store], tmp_path / "rep").read_text()
     assert "Unverified weights" in md and "`step200`" in md[md.index("Unverified weights") :]
     assert "step100" in md[md.index("Duplicated weights") :]
+
+
+def test_every_wrong_branch_layout_is_flagged_though_the_manifest_could_not_read_the_original(online, weights, tmp_path):
+    """The manifest's metadata request for the original failed — a tag, main, an unplanned step — and the tasks asked
+    again only for their own members, so a step serving those weights was drawn unflagged. Each task now asks again
+    for every ref it could copy: step100 (a tag's weights), step200 (main's), step300 (an unplanned step's) flagged;
+    the final step step400 never."""
+    for branch, w in (("step100", "w0"), ("step200", "w1"), ("step250", "w2"), ("step300", "w2"), ("step400", "w3"), ("main", "w1")):
+        online.add_revision("org/layout", branch, weights[w])
+    online.add_tag("org/layout", "v1.0", weights["w0"])
+    for ref in ("v1.0", "main", "step250"):  # the manifest's request only
+        online.fail(f"/api/models/org/layout/revision/{online.commit_of('org/layout', ref)}", times=1, status=503)
+    store = tmp_path / "store"
+    with pytest.warns(RuntimeWarning, match="no weights fingerprint for"):
+        m = write_manifest("org/layout", out_dir=store, revisions=["step100", "step200", "step300", "step400", "main"], probes=PROBES,
+                           fetch=FAST)  # fmt: skip
+    assert {n for n, e in m.entries.items() if e.get("metadata_error")} == {"v1.0", "main", "step250"} and m.groups() == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for task in m.task_names():
+            replay_revision("org/layout", task, out_dir=store, probes=PROBES, fetch=FAST)
+    by = {r["revision"]: r for r in rows(store)}
+    assert {n: r["duplicate_of"] for n, r in by.items()} == {"step100": "v1.0", "step200": "main", "step300": "step250", "step400": None,
+                                                             "main": None}  # pinned main: measured, never flagged
+    assert not any("weights_unverified" in r for r in by.values())
+    assert [r["revision"] for r in merged_records(store)] == ["step400", "main"]  # the report too: no wrong branch drawn
+
+
+def test_a_step_that_could_copy_an_unreadable_ref_is_marked_unverified(online, weights, tmp_path):
+    """main serves step100's weights, and its metadata can never be read: step100 cannot be told from its copy, so its
+    record says weights_unverified naming main; the final step's record does not (it keeps whatever it shares)."""
+    for branch, w in (("step100", "w0"), ("step200", "w1"), ("main", "w0")):
+        online.add_revision("org/unread", branch, weights[w])
+    online.fail(f"/api/models/org/unread/revision/{online.commit_of('org/unread', 'main')}", times=50, status=503)
+    store = tmp_path / "store"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = write_manifest("org/unread", out_dir=store, probes=PROBES, fetch=FAST)
+        for task in m.task_names():
+            replay_revision("org/unread", task, out_dir=store, probes=PROBES, fetch=FAST)
+    by = {r["revision"]: r for r in rows(store)}
+    assert "main: " in by["step100"]["weights_unverified"] and "503" in by["step100"]["weights_unverified"]
+    assert "weights_unverified" not in by["step200"] and [r["revision"] for r in merged_records(store)] == ["step100", "step200"]
+    assert all(r["duplicate_of"] is None and r["status"] == "ok" for r in by.values())
+    online.clear_faults()
 
 
 def test_the_report_takes_the_duplicate_groups_from_the_manifest(online, weights, tmp_path):

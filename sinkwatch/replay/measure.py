@@ -37,7 +37,7 @@ from .manifest import Task
 from .plan import ModelShape, Placement, device_budgets, place, revision_config
 from .prepare import ReplaySetup
 from .progress import _counter, _status
-from .provenance import provenance, weights_of
+from .provenance import could_be_a_copy, provenance, weights_of
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .signals import Terminated
@@ -92,6 +92,7 @@ class Measurer:
         self._shapes: dict[str, ModelShape] = {}
         self._kept: tuple[Revision, Path, attempts.Attempt] | None = None  # the ablation revision, on disk until the ablation ran
         self.open: dict[str, Job] = {}  # task -> its attempt, begun and not ended
+        self._unreadable: dict[str, str] = {}  # listed refs whose weights could not be read, asked again: why
 
     def _check_store(self) -> None:
         self.store.check(self.s.key)
@@ -135,9 +136,11 @@ class Measurer:
         return job
 
     def _verify(self, job: Job) -> None:
-        """What the manifest could not say of the members' weights, asked again: a member whose weights are
-        read now is checked for duplicates over the whole listing (under --skip-duplicates a flagged one is
-        recorded as skipped, not measured); one still unknown is measured and drawn, marked unverified."""
+        """What the manifest could not say of any listed ref's weights — a member's, or those of ``main``, a tag or
+        an unplanned step a member could be a copy of — asked again before a record is written: a member is then
+        checked for duplicates over the whole listing (under --skip-duplicates a flagged one is recorded as skipped,
+        not measured); one whose own weights, or a possible original's, are still unknown is measured and drawn,
+        marked unverified (``weights_unverified`` names what could not be read)."""
         s = self.s
         changed = [r.name for r in job.todo if r.name in s.changed]
         if changed:
@@ -145,21 +148,25 @@ class Measurer:
                 f"{', '.join(changed)} changed on disk since {self.out_dir}/manifest.json was written (its weights are no longer "
                 "the ones planned): write the plan again with --rewrite-manifest"
             )
+        known = {**s.manifest.weights(), **s.source.weights}
+        unknown = [n for n, e in s.manifest.entries.items() if n not in known and not e.get("path") and n not in self._unreadable]
         learned = {}
-        for r in job.todo:
-            if r.path is not None or r.name in s.source.weights:
-                continue
+        for n in unknown:  # asked once per process; a ref still unreadable marks the records that could be its copy
             try:
-                learned[r.name] = weights_of(s.recipe.model, r, cache_dir=self.cache_dir, offline=hub_offline(), policy=self.fetch_config)
+                learned[n] = weights_of(s.recipe.model, s.rev(n), cache_dir=self.cache_dir, offline=hub_offline(), policy=self.fetch_config)
             except Exception as exc:  # noqa: BLE001 - measured anyway, marked unverified
-                s.unverified[r.name] = f"{type(exc).__name__}: {exc}"
-        if not learned:
-            return
-        s.source.weights.update(learned)
-        groups = s.manifest.groups(extra=s.source.weights)
+                self._unreadable[n] = f"{type(exc).__name__}: {exc}"
+        if learned:
+            s.source.weights.update(learned)
+            groups = s.manifest.groups(extra=s.source.weights)
+            s.flags.update({r.name: groups[r.name] for r in job.todo if r.name in groups})
+        listing = [s.rev(n) for n in s.manifest.entries if n not in s.manifest.aliases]
         for r in job.todo:
-            if r.name in groups:
-                s.flags[r.name] = groups[r.name]
+            if r.name in self._unreadable:
+                s.unverified[r.name] = self._unreadable[r.name]
+            elif self._unreadable and r.name not in s.flags and could_be_a_copy(r, listing):
+                refs = "; ".join(f"{n}: {e}" for n, e in self._unreadable.items())
+                s.unverified[r.name] = f"the weights of refs it could be a copy of could not be read ({refs})"
         if s.skip_duplicates:
             for r in [r for r in job.todo if r.name in s.flags]:
                 self._write({**self._base(r), "status": "skipped", "reason": "--skip-duplicates: " + s.flags[r.name].describe()}, job)
