@@ -234,6 +234,32 @@ def test_a_unit_killed_by_sigkill_is_recorded_by_finalize_and_its_folder_swept(o
     assert all(r["status"] == "ok" for r in rows(store)) and not [p for p in (store / "cache").rglob("*") if p.is_file()]
 
 
+def test_a_task_a_limit_ended_twice_is_not_resubmitted_and_finalize_says_what_limit_to_ask(online, tmp_path, capsys):
+    """A revision slower than --time was killed at the same point every round of the docs' resubmission loop, and
+    nothing said to raise the limit. After the second SIGTERM in a row (Slurm's --time) --failed-tasks leaves it out,
+    and finalize says how far it got and the limit to ask for."""
+    store, faults = tmp_path / "store", tmp_path / "faults"
+    args = ["org/pair", "--out", str(store), *PROBE_ARGS]
+    assert cli(*args, "--manifest-only") == 0
+    e = replay_faults.env(faults, online.env())
+    e["PYTHONPATH"] += os.pathsep + (os.environ.get("PYTHONPATH") or str(ROOT))
+    listed = []
+    for _ in range(2):
+        replay_faults.plant(faults, "step100", "hang")
+        unit = subprocess.Popen([sys.executable, "-m", "sinkwatch", "replay", *args, "--task", "0"], env=e, stderr=subprocess.DEVNULL)
+        os.kill(replay_faults.ready(faults, "step100", 240, alive=lambda: unit.poll() is None), signal.SIGTERM)
+        assert unit.wait(60) == 143
+        (faults / "step100.ready").unlink()
+        listed.append(failed_tasks("org/pair", out_dir=store, probes=PROBES))
+    assert listed == [["step100", "step200", "step400"], ["step200", "step400"]]
+    capsys.readouterr()
+    assert cli(*args, "--finalize", "--no-ablate") == 1
+    said = capsys.readouterr().out
+    assert re.search(r"over the limit: step100: ended by the engine's limit 2 times in a row, the last after \d+ s in probe; "
+                     r"not listed by --failed-tasks: resubmit task 0 with a limit of \d+ min or more", said), said  # fmt: skip
+    assert json.loads((store / "trajectory.json").read_text())["over_limit"]["step100"]["count"] == 2
+
+
 # ---- wrong branches --------------------------------------------------------------------------------------------------
 def test_a_step_serving_mains_weights_is_flagged_unless_it_is_the_final_step(online, tmp_path):
     """A step branch serving another ref's weights was drawn unless two *step* branches shared them."""

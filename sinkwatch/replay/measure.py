@@ -92,6 +92,7 @@ class Measurer:
         self._shapes: dict[str, ModelShape] = {}
         self._kept: tuple[Revision, Path, attempts.Attempt] | None = None  # the ablation revision, on disk until the ablation ran
         self.open: dict[str, Job] = {}  # task -> its attempt, begun and not ended
+        self.stage = "start"
         self._unreadable: dict[str, str] = {}  # listed refs whose weights could not be read, asked again: why
 
     def _check_store(self) -> None:
@@ -177,7 +178,7 @@ class Measurer:
         job.active = True
         if job.error is not None or job.reuse is not None or not job.todo:
             return None
-        _status(self.bar, job.rev.name, "download")
+        self._at(job.rev.name, "download")
         try:
             job.path = self.fetcher.fetch(job.rev, job.attempt.folder)
             return job.path
@@ -259,13 +260,23 @@ class Measurer:
                 self._log(out)
         return rows
 
-    def write_failed(self, job: Job, error: str) -> list[dict]:
-        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted)."""
+    def _at(self, rev: str, stage: str) -> None:
+        self.stage = stage  # how far the attempt got, should a limit end it
+        _status(self.bar, rev, stage)
+
+    def write_failed(self, job: Job, error: str, *, limit: bool = False) -> list[dict]:
+        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted). ``limit``: an
+        engine's limit ended it (SIGTERM, submitit's time-out, Ray's cancel): the row says after how long, in which stage,
+        and how many attempts in a row a limit ended (``limit``; ``failed_tasks`` stops listing it at two)."""
         rows = []
         for m in job.todo:
             if m.name in job.written or self.store.is_done(self.key(m)):
                 continue
             row = {**self._base(m), "status": "failed", "error": error}
+            if limit:
+                before = (self.store.read(self.key(m)) or {}).get("limit") or {}
+                row["limit"] = {"after_s": round(time.time() - job.attempt.started_at, 1),
+                                "stage": self.stage if job.active else "waiting", "count": before.get("count", 0) + 1}  # fmt: skip
             self.store.write(row)
             rows.append(row)
         return rows
@@ -295,10 +306,11 @@ class Measurer:
         why = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, KeyboardInterrupt):
             why = "KeyboardInterrupt: interrupted (Ctrl-C, or Ray's cancel of a task past its time limit)"
+        limit = isinstance(exc, (Terminated, KeyboardInterrupt)) or type(exc).__name__ == "UncompletedJobError"  # submitit's
         for job in list(self.open.values()):
             try:
                 if job.active or every:
-                    self.write_failed(job, why)
+                    self.write_failed(job, why, limit=limit)
             except OSError as err:  # a full disk fails the failed row too: the task stays unrecorded, as --failed-tasks says
                 warnings.warn(f"sinkwatch replay: no failed row for task {job.task.name} ({err})", RuntimeWarning, stacklevel=2)
             job.attempt.end()
@@ -309,7 +321,7 @@ class Measurer:
         gpus = sorted({d for d in placement.device_map.values() if str(d).startswith("cuda")}) if placement is not None else []
         reset_peaks(gpus)
         t0 = time.perf_counter()
-        _status(self.bar, rev.name, "load")
+        self._at(rev.name, "load")
         model = self._load(rev, path, dtype, placement)
         load_s = time.perf_counter() - t0
         leaving = False
@@ -319,7 +331,7 @@ class Measurer:
                 # the paper's attention weights came from eager half-precision attention (output_attentions):
                 # every layer's input must come from the same forward for its numbers to carry over
                 model.set_attn_implementation("eager")
-            _status(self.bar, rev.name, "probe")
+            self._at(rev.name, "probe")
             used: dict = {}
             snap = oom_retry(
                 [self.monitor],
@@ -330,7 +342,7 @@ class Measurer:
             )
             record = snap.to_record()  # with the device it ran on (Monitor.probe)
             if self.pr_monitor is not None:
-                _status(self.bar, rev.name, "PR (float16, first 500)")
+                self._at(rev.name, "PR (float16, first 500)")
                 if dtype == "float16":
                     model.set_attn_implementation(default)  # the paper's PR scripts ran the model's default attention
                 else:

@@ -17,6 +17,7 @@ Slurm arrays, submitit and Ray already schedule, time-limit and retry tasks; rep
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -129,10 +130,19 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, **options) -> di
 
 def failed_tasks(model, *, out_dir: str | os.PathLike, **options) -> list[str]:
     """Names of the manifest's tasks with a member not recorded (failed, killed, never run): what to
-    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices."""
+    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices. A task an
+    engine's limit ended twice in a row is left out (the same limit would end it again): ``finalize`` lists
+    it under ``over_limit`` with the limit to ask for."""
     s, _, _, _ = _require(model, out_dir, options, ("shard", "ablate", "ablation_revision", "progress", "wandb"), "failed_tasks")
     store = ReplayStore(out_dir)
-    return [t.name for t in s.manifest.task_list if not all(store.is_done(done_key(s.key, r.name, r.commit)) for r in s.needed(t))]
+    rows = {t.name: [store.read(done_key(s.key, r.name, r.commit)) for r in s.needed(t)] for t in s.manifest.task_list}
+    return [n for n, got in rows.items() if not all(r is not None and r.get("status", "ok") != "failed" for r in got)
+            and not any(over_limit(r) for r in got)]  # fmt: skip
+
+
+def over_limit(row: dict | None) -> bool:
+    """An engine's limit ended two attempts in a row: resubmitted with the same limit it would end the same way."""
+    return row is not None and row.get("status") == "failed" and (row.get("limit") or {}).get("count", 0) >= 2
 
 
 def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, ablation_revision: str | None = None, **options) -> dict:
@@ -140,8 +150,10 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
     ended (killed by SIGKILL) gets a failed row for each member it did not record, what attempts left in
     the task folders is swept (unless ``keep_cache``), the stages are derived over the whole store in step
     order (``DIR/trajectory.json``), the group ablation runs once (as ``replay`` decides it), and it says
-    which planned revisions failed or are missing. Returns ``{"done", "failed": {revision: error},
-    "missing", "skipped", "killed", "trajectory", "ablation"}``."""
+    which planned revisions failed or are missing. An attempt still alive (a requeue, a late task) is left
+    alone and listed under ``running``. Returns ``{"done", "failed": {revision: error}, "missing", "skipped",
+    "killed", "running", "over_limit": {revision: {"after_s", "stage", "count", "task", "ask_min"}},
+    "trajectory", "ablation"}``."""
     from .ablation import ablation_key, check_ablation, read_ablation
 
     s, loop_opts, fetch, cache_dir = _require(model, out_dir, options, ("shard", "progress", "wandb"), "finalize")
@@ -162,7 +174,7 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
         mark.remove(fetch.cache_root, folder=not fetch.keep_cache)
     if not fetch.keep_cache:
         attempts.sweep(out_dir, [*m.task_names(), *(f"ablation {n}" for n in m.entries)], root=fetch.cache_root)
-    done, failed, missing, skipped = [], {}, [], []
+    done, failed, missing, skipped, over = [], {}, [], [], {}
     for t in m.task_list:
         for n in t.members:
             r = s.rev(n)
@@ -173,6 +185,9 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
                 done.append(n)
             elif row is not None:
                 failed[n] = row.get("error", "")
+                if over_limit(row):
+                    lim = row["limit"]
+                    over[n] = {**lim, "task": m.index_of(t.name), "ask_min": max(1, math.ceil(2 * lim["after_s"] / 60))}
             else:
                 missing.append(n)
     records = merged_records(out_dir)
@@ -194,7 +209,7 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
         loop._close(wait=True)
     order = {n: i for i, n in enumerate(m.revisions)}
     summary = {"done": sorted(done, key=order.get), "failed": failed, "missing": missing, "skipped": skipped, "killed": killed,
-               "running": sorted(set(live)), "trajectory": trajectory, "ablation": ablation}  # fmt: skip
+               "running": sorted(set(live)), "over_limit": over, "trajectory": trajectory, "ablation": ablation}  # fmt: skip
     write_atomic(Path(out_dir) / "trajectory.json", {k: v for k, v in summary.items() if k != "ablation"})
     return summary
 
