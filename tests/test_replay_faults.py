@@ -113,7 +113,7 @@ def slurm(tmp_path_factory):
     why = slurm_cluster.available()
     if why:
         missing(why)
-    with slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), kill_wait=3) as cluster:
+    with slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), kill_wait=3, max_array_size=1) as cluster:
         yield cluster
 
 
@@ -121,27 +121,30 @@ def test_slurm_a_unit_deaf_to_sigterm_and_a_requeue_beside_the_live_attempt(slur
     """Task 0 is stuck in C: scancel's SIGTERM never reaches Python, KillWait's SIGKILL ends it (no row: finalize writes
     it). Task 1's first attempt is stuck too, outside Slurm's tracking (started without exec and reparented, which
     proctrack/linuxproc loses): `scontrol requeue` ends its job, not it, and the next attempt runs beside it and records
-    the revision. Finalize then leaves the live attempt's folder alone; once it is killed, finalize sweeps it."""
+    the revision. Finalize then leaves the live attempt's folder alone; once it is killed, finalize sweeps it. The
+    cluster's MaxArraySize is 1 (index 0 only): task 1 goes in the docs' offset form, an array of its own."""
     store, faults = tmp_path / "store", tmp_path / "faults"
     write_manifest(REPO, out_dir=store, probes=PROBES)
     for name in NAMES:
         replay_faults.plant(faults, name, "native")
     task = " ".join(unit(store))
     script = tmp_path / "task.sh"
-    script.write_text(
+    script.write_text(  # $1: the offset; the docs' --task $((SLURM_ARRAY_TASK_ID + 1000)) with a cap of 1
         "#!/bin/bash\n"
-        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ "$SLURM_ARRAY_TASK_ID" = 1 ]; then setsid -f ' + task + " 1; sleep 600; fi\n"
-        f"exec {task} $SLURM_ARRAY_TASK_ID\n"
+        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ "$1" = 1 ]; then setsid -f ' + task + " $1; sleep 600; fi\n"
+        f"exec {task} $((SLURM_ARRAY_TASK_ID + $1))\n"
     )
-    job = slurm.sbatch(["--array=0-1", "--time=10", "--requeue", str(script)], cwd=tmp_path, env=env(hub, faults))
+    with pytest.raises(RuntimeError, match="Invalid job array specification"):
+        slurm.sbatch(["--array=0-1", str(script), "0"], cwd=tmp_path)
+    jobs = [slurm.sbatch(["--array=0-0", "--time=10", "--requeue", str(script), str(k)], cwd=tmp_path, env=env(hub, faults)) for k in (0, 1)]
     deaf, escaped = replay_faults.ready(faults, "step1", 120), replay_faults.ready(faults, "step2", 120)
     try:
-        for cmd in (["scancel", f"{job}_0"], ["scontrol", "requeue", f"{job}_1"]):
+        for cmd in (["scancel", f"{jobs[0]}_0"], ["scontrol", "requeue", f"{jobs[1]}_0"]):
             subprocess.run(cmd, env=slurm.env(), check=True, capture_output=True, timeout=30)
         time.sleep(1)
         assert _alive(deaf), "SIGTERM ended a unit stuck in C: the fault did not hold"
-        _release(slurm, f"{job}_1")
-        assert slurm.wait(job, 180) == {"0": "CANCELLED", "1": "COMPLETED"}, _logs(tmp_path)
+        _release(slurm, f"{jobs[1]}_0")
+        assert [slurm.wait(j, 180) for j in jobs] == [{"0": "CANCELLED"}, {"0": "COMPLETED"}], _logs(tmp_path)
         assert not _alive(deaf) and _alive(escaped)  # KillWait's SIGKILL; the escaped first attempt lives on, stuck
         beside = settle(store)  # finalize beside a live attempt: its marker and folder are left alone
         assert beside["running"] == ["step2"] and beside["failed"]["step1"].startswith("Killed: the attempt started"), beside

@@ -122,7 +122,7 @@ def test_the_docs_manifest_line_on_pythia_1bs_154_branches_prints_0_153(online, 
     assert "0-153" in line.split("#", 1)[1]  # and the docs say so
 
 
-def test_every_engines_finalize_gets_a_gpu_and_a_time_limit():
+def test_every_engines_finalize_gets_a_gpu_and_a_time_limit_and_the_driver_a_limit_on_its_wait():
     """The paper protocol's finalize (a float16 group ablation of a 1B model) ran on the CPU for hours: the docs'
     finalize job asked for no GPU, and the submitit, Ray and pool examples called finalize() in the driver."""
     finals = [x for x in docs_block("**Slurm**", "bash").splitlines() if "--finalize" in x]
@@ -133,6 +133,9 @@ def test_every_engines_finalize_gets_a_gpu_and_a_time_limit():
     assert "ray.remote(num_gpus=1)(finalize)" in ray and "run_with_limit(final, [(MODEL,)], out_dir=OUT, limit_s=3600)" in ray
     for block in (submitit, ray):
         assert not re.search(r"^(summary = )?finalize\(", block, re.MULTILINE)  # never called in the driver
+    # and the drivers never wait without a limit: finalize's job through as_completed's timeout, a fresh Ray worker per task
+    assert re.search(r"as_completed\(\[final\], timeout=[\d *]+\)\)\.result\(\)", submitit) and submitit.count(".result()") == 1
+    assert "max_calls=1" in ray.split("(replay_revision)")[0]
 
 
 def test_the_manifest_is_written_once_and_rewritten_only_on_request(online, weights, tmp_path, capsys):
