@@ -25,7 +25,7 @@ from local_hub import LocalHub, patched_endpoint
 from tiny_models import build
 
 from sinkwatch import InductionProbe
-from sinkwatch.replay import FetchConfig, failed_tasks, finalize, record_files, replay_revision, run_with_limit, write_manifest
+from sinkwatch.replay import FetchConfig, attempts, failed_tasks, finalize, record_files, replay_revision, run_with_limit, write_manifest
 from sinkwatch.reporting.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,7 +151,7 @@ def test_slurm_a_unit_deaf_to_sigterm_and_a_requeue_beside_the_live_attempt(slur
         assert [p.name.split("@")[0] for p in (store / "cache").iterdir()] == [p.stem.split("@")[0] for p in (store / "running").iterdir()]
     finally:
         os.kill(escaped, signal.SIGKILL)  # the node's reaper, at last
-    _wait_gone(escaped)
+    _wait_gone(escaped, store)
     assert settle(store)["running"] == []
     converged(store, hub)
 
@@ -168,10 +168,13 @@ def _release(slurm, task: str) -> None:
     raise AssertionError(f"{task} was never requeued: {out}")
 
 
-def _wait_gone(pid: int) -> None:
-    deadline = time.time() + 30
-    while _alive(pid) and time.time() < deadline:
-        time.sleep(0.1)
+def _wait_gone(pid: int, store: Path) -> None:
+    """Until the killed process is gone: its leader turns zombie at once, but its lock goes with its last thread."""
+    deadline = time.time() + 60
+    while any(m.alive() for m in attempts.markers(store)) and time.time() < deadline:
+        time.sleep(0.2)
+    threads = sorted(p.name for p in Path(f"/proc/{pid}/task").glob("*")) if Path(f"/proc/{pid}").exists() else []
+    assert not any(m.alive() for m in attempts.markers(store)), f"pid {pid} still holds its marker; threads {threads}"
 
 
 def _alive(pid: int) -> bool:
