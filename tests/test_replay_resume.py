@@ -255,12 +255,15 @@ def test_a_task_a_limit_ended_twice_is_not_resubmitted_and_finalize_says_what_li
         (faults / "step100.ready").unlink()
         listed.append(failed_tasks("org/pair", out_dir=store, probes=PROBES))
     assert listed == [["step100", "step200", "step400"], ["step200", "step400"]]
+    assert cli(*args, "--task", "2") == 0  # one revision recorded: the report needs one
     capsys.readouterr()
     assert cli(*args, "--finalize", "--no-ablate") == 1
     said = capsys.readouterr().out
     assert re.search(r"over the limit: step100: ended by the engine's limit 2 times in a row, the last after \d+ s in probe; "
                      r"not listed by --failed-tasks: resubmit task 0 with a limit of \d+ min or more", said), said  # fmt: skip
     assert json.loads((store / "trajectory.json").read_text())["over_limit"]["step100"]["count"] == 2
+    md = build_report([store], tmp_path / "rep").read_text()
+    assert re.search(r"`step100`: .* over the limit: ended by it 2 times in a row, the last after \d+ s in probe: ask for \d+ min", md)
 
 
 # ---- wrong branches --------------------------------------------------------------------------------------------------

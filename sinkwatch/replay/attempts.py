@@ -14,7 +14,8 @@ C, Ray's force-cancel), an NFS server once the dead client's lease expires; so a
 can be taken is a dead attempt's. The next attempt at its task removes it and its folder; ``finalize``
 turns it into a failed row when the task has no record, and sweeps every folder no live attempt holds.
 On a file system without ``flock`` a marker of this host lives while its pid does, one of another
-host is taken as alive. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
+host is taken as alive. Why it is here: no engine knows the store's folders, nor sees a retry beside a
+requeue; the kernel's lock is the one liveness every engine, and none, shares. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
 its attempts and never emptied (huggingface_hub's file locks keep concurrent downloads into it whole).
 """
 
@@ -97,7 +98,7 @@ class Attempt:
     """This process's attempt at ``task``: ``folder`` to download into; ``end()`` once it is over."""
 
     def __init__(self, out_dir, task: str, *, root=None, keep: bool = False):
-        self.task, self.keep = task, keep
+        self.task, self.keep, self.root = task, keep, root
         self.id = _SAFE.sub("_", f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
         name = f"{slug(task)}@{self.id}"
         self.marker = Path(out_dir) / RUNNING_DIR / f"{name}.json"
@@ -105,10 +106,10 @@ class Attempt:
         self.started_at = time.time()
         self._fd: int | None = None
 
-    def begin(self, root=None) -> Attempt:
+    def begin(self) -> Attempt:
         for m in markers(self.marker.parent.parent):  # dead attempts at this task: their folders go
             if m.task == self.task and not m.alive():
-                m.remove(root)
+                m.remove(self.root, folder=not self.keep)
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         info = {"task": self.task, "attempt": self.id, "host": socket.gethostname(), "pid": os.getpid(),
                 "started_at": self.started_at, **{k.lower(): os.environ[k] for k in _SLURM if os.environ.get(k)}}  # fmt: skip
@@ -135,7 +136,7 @@ class Attempt:
 
 def begin(out_dir, task: str, *, root=None, keep: bool = False) -> Attempt:
     """Start an attempt at ``task``: dead attempts' folders removed, its own folder and held marker made."""
-    return Attempt(out_dir, task, root=root, keep=keep).begin(root)
+    return Attempt(out_dir, task, root=root, keep=keep).begin()
 
 
 def markers(out_dir) -> list[Marker]:

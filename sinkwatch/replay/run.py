@@ -2,6 +2,7 @@
 
 For plain processes — one process, torchrun, ``srun -n``, hosts started by hand — sharing a store.
 Engines (Slurm arrays, submitit, Ray) run the per-task unit of ``unit`` instead, over the same manifest.
+Why it is here: torchrun and ``srun -n`` start N copies of one command and schedule nothing, so the split is ours.
 
 One worker, whatever launched it, runs ``replay``:
 

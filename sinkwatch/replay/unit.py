@@ -17,7 +17,6 @@ Slurm arrays, submitit and Ray already schedule, time-limit and retry tasks; rep
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from .merged import merged_records
 from .prepare import ReplaySetup, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
-from .store import ReplayStore, done_key
+from .store import ReplayStore, ask_min, done_key
 
 _SETUP = ("probes", "dtype", "tokens_per_step", "batch_tokens", "monitor_config", "protocol", "lightning_module", "live_store")
 _LOOP = ("device", "wandb", "progress", "max_memory")
@@ -187,7 +186,7 @@ def finalize(model, *, out_dir: str | os.PathLike, ablate: bool | None = None, a
                 failed[n] = row.get("error", "")
                 if over_limit(row):
                     lim = row["limit"]
-                    over[n] = {**lim, "task": m.index_of(t.name), "ask_min": max(1, math.ceil(2 * lim["after_s"] / 60))}
+                    over[n] = {**lim, "task": m.index_of(t.name), "ask_min": ask_min(lim)}
             else:
                 missing.append(n)
     records = merged_records(out_dir)
