@@ -85,7 +85,7 @@ def settle(store: Path) -> dict:
 def test_two_attempts_at_one_task_at_once_both_end_well_with_one_record(hub, tmp_path):
     """The second attempt starts while the first downloads (a requeue, a resubmission before the array ended): it
     used to delete the first's folder, and whichever ended first deleted the other's. Both now succeed; the record's
-    exclusive create keeps one result."""
+    exclusive create keeps one result. Meanwhile the plan is not rewritten (a live attempt's marker)."""
     store, faults = tmp_path / "store", tmp_path / "faults"
     write_manifest(REPO, out_dir=store, probes=PROBES)
     hub.throttle(60_000)  # bytes/s: a revision's weights take a few seconds
@@ -95,6 +95,8 @@ def test_two_attempts_at_one_task_at_once_both_end_well_with_one_record(hub, tmp
         first = subprocess.Popen([*unit(store), "0"], env=env(hub, faults), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert started.wait(120), "the first attempt never started downloading"
         second = subprocess.Popen([*unit(store), "0"], env=env(hub, faults), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with pytest.raises(ValueError, match="not rewritten while tasks run: step1"):  # a live attempt holds the plan
+            write_manifest(REPO, out_dir=store, probes=PROBES, rewrite=True)
         outs = [p.communicate(timeout=300)[0] for p in (first, second)]
     finally:
         hub.throttle(None)
