@@ -1,8 +1,8 @@
 """Measuring one task (docs/design.md §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
 
 1. ``begin``: the task's attempt starts (``attempts``: a folder and a held marker of its own, beside any
-   other attempt at that task); a member whose weights the manifest could not read is asked about again, and flagged
-   when that finds a duplicate;
+   other attempt at that task); any listed ref whose weights the manifest could not read is asked about
+   again, a member flagged when that finds a duplicate, marked unverified when it cannot;
 2. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
 3. ``fetch``: downloaded by commit into the task's folder on one background thread (``fetch.Fetcher``;
    the loop starts the next task's download while this one is probed);
