@@ -138,7 +138,9 @@ def test_slurm_a_unit_deaf_to_sigterm_and_a_requeue_beside_the_live_attempt(slur
     )
     with pytest.raises(RuntimeError, match="Invalid job array specification"):
         slurm.sbatch(["--array=0-1", str(script), "0"], cwd=tmp_path)
-    jobs = [slurm.sbatch(["--array=0-0", "--time=10", "--requeue", str(script), str(k)], cwd=tmp_path, env=env(hub, faults)) for k in (0, 1)]
+    jobs = [
+        slurm.sbatch(["--array=0-0", "--time=10", "--requeue", str(script), str(k)], cwd=tmp_path, env=env(hub, faults)) for k in (0, 1)
+    ]
     deaf, escaped = replay_faults.ready(faults, "step1", 120), replay_faults.ready(faults, "step2", 120)
     try:
         for cmd in (["scancel", f"{jobs[0]}_0"], ["scontrol", "requeue", f"{jobs[1]}_0"]):

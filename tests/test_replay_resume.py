@@ -250,7 +250,7 @@ def test_a_task_a_limit_ended_twice_is_not_resubmitted_and_finalize_says_what_li
     for _ in range(2):
         replay_faults.plant(faults, "step100", "hang")
         unit = subprocess.Popen([sys.executable, "-m", "sinkwatch", "replay", *args, "--task", "0"], env=e, stderr=subprocess.DEVNULL)
-        os.kill(replay_faults.ready(faults, "step100", 240, alive=lambda: unit.poll() is None), signal.SIGTERM)
+        os.kill(replay_faults.ready(faults, "step100", 240, alive=lambda p=unit: p.poll() is None), signal.SIGTERM)
         assert unit.wait(60) == 143
         (faults / "step100.ready").unlink()
         listed.append(failed_tasks("org/pair", out_dir=store, probes=PROBES))
@@ -332,8 +332,13 @@ def test_every_wrong_branch_layout_is_flagged_though_the_manifest_could_not_read
         for task in m.task_names():
             replay_revision("org/layout", task, out_dir=store, probes=PROBES, fetch=FAST)
     by = {r["revision"]: r for r in rows(store)}
-    assert {n: r["duplicate_of"] for n, r in by.items()} == {"step100": "v1.0", "step200": "main", "step300": "step250", "step400": None,
-                                                             "main": None}  # pinned main: measured, never flagged
+    assert {n: r["duplicate_of"] for n, r in by.items()} == {
+        "step100": "v1.0",
+        "step200": "main",
+        "step300": "step250",
+        "step400": None,
+        "main": None,
+    }  # pinned main: measured, never flagged
     assert not any("weights_unverified" in r for r in by.values())
     assert [r["revision"] for r in merged_records(store)] == ["step400", "main"]  # the report too: no wrong branch drawn
 

@@ -14,9 +14,10 @@ C, Ray's force-cancel), an NFS server once the dead client's lease expires; so a
 can be taken is a dead attempt's. The next attempt at its task removes it and its folder; ``finalize``
 turns it into a failed row when the task has no record, and sweeps every folder no live attempt holds.
 On a file system without ``flock`` a marker of this host lives while its pid does, one of another
-host is taken as alive. Why it is here: no engine knows the store's folders, nor sees a retry beside a
-requeue; the kernel's lock is the one liveness every engine, and none, shares. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
+host is taken as alive. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
 its attempts and never emptied (huggingface_hub's file locks keep concurrent downloads into it whole).
+Why it is here: no engine knows the store's folders, nor sees a retry beside a requeue; the kernel's
+lock is the one liveness every engine (and none) shares.
 """
 
 from __future__ import annotations

@@ -350,7 +350,11 @@ def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
     rows = write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets))
     latest = {r["revision"]: r for r in rows if r.get("revision") is not None and (r.get("status") == "failed" or _is_ok_record(r))}
     ok = {(r["revision"], r.get("commit")) for r in rows if _is_ok_record(r)}
-    return {name: r.get("error", "") + limit_note(r) for name, r in latest.items() if r.get("status") == "failed" and (name, r.get("commit")) not in ok}
+    return {
+        name: r.get("error", "") + limit_note(r)
+        for name, r in latest.items()
+        if r.get("status") == "failed" and (name, r.get("commit")) not in ok
+    }
 
 
 def limit_note(row: dict) -> str:
