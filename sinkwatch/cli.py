@@ -177,6 +177,11 @@ def _replay_engine_step(args, recipe, options) -> int:
         print(f"  failed: {name}: {error}")
     for name in summary["missing"]:
         print(f"  missing: {name}")
+    for name in summary["running"]:
+        print(f"  running: {name} (an attempt still alive: it writes its own outcome)")
+    for name, lim in summary["over_limit"].items():
+        print(f"  over the limit: {name}: ended by the engine's limit {lim['count']} times in a row, the last after {lim['after_s']:.0f} s "
+              f"in {lim['stage']}; not listed by --failed-tasks: resubmit task {lim['task']} with a limit of {lim['ask_min']} min or more")
     if summary["ablation"] is not None:
         print(f"group ablation at {summary['ablation'].get('revision')}: {summary['ablation'].get('status')}")
     print(f"next: sinkwatch report {out}")

@@ -78,6 +78,7 @@ def _is_lfs(path: str) -> bool:
 class _Repo:
     branches: dict[str, str] = field(default_factory=dict)  # branch -> commit
     commits: dict[str, dict[str, _File]] = field(default_factory=dict)  # commit -> {path: file}
+    tags: dict[str, str] = field(default_factory=dict)  # tag -> commit (listed under "tags", as the hub lists them)
 
 
 @dataclass
@@ -119,7 +120,15 @@ class LocalHub:
     move_branch = add_revision  # a branch re-pointed at new weights: a new commit, the old one kept
 
     def commit_of(self, repo: str, branch: str) -> str:
-        return self.repos[repo].branches[branch]
+        return self.repos[repo].branches.get(branch) or self.repos[repo].tags[branch]
+
+    def add_tag(self, repo: str, tag: str, files: Path | dict[str, bytes]) -> str:
+        """Push ``files`` as a commit only the tag ``tag`` points at (a release tag); returns the commit."""
+        self.add_revision(repo, tag, files)
+        with self._lock:
+            r = self.repos[repo]
+            r.tags[tag] = r.branches.pop(tag)
+        return r.tags[tag]
 
     # ---- faults and bandwidth ----------------------------------------------------------------------
     def fail(self, substring: str, times: int = 1, status: int | None = 503, method: str | None = None) -> None:
@@ -192,7 +201,7 @@ class LocalHub:
         r = self.repos.get(repo)
         if r is None:
             return None
-        commit = r.branches.get(revision, revision)
+        commit = r.branches.get(revision) or r.tags.get(revision, revision)
         files = r.commits.get(commit)
         return (commit, files) if files is not None else None
 
@@ -282,7 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if kind == "refs":
             branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in r.branches.items()]
-            self._json({"branches": branches, "tags": [], "converts": [], "pullRequests": []})
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in r.tags.items()]
+            self._json({"branches": branches, "tags": tags, "converts": [], "pullRequests": []})
             return
         revision = rest.split("/", 1)[0] if kind in ("revision", "tree", "paths-info") else "main"
         sub = rest.split("/", 1)[1] if kind == "tree" and "/" in rest else ""

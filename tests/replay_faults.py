@@ -6,7 +6,9 @@ the engine and resume tests: a probe that hangs, or that waits to be killed with
 there (``plant``), takes it (a rename: each fault fires once, so the next attempt runs clean), writes
 ``R.ready`` (its pid) and then sleeps in Python — a hang that SIGTERM, submitit's USR2 and Ray's
 KeyboardInterrupt interrupt, as a hung download or a stuck loop would be; ``kill`` waits there for the test's
-SIGKILL (the OOM killer); ``R.slow`` only makes the probe that many seconds slower. ``ready(folder, R)`` waits
+SIGKILL (the OOM killer); ``native`` is stuck in C (``pause()`` with every signal blocked in the main thread,
+as a CUDA hang is): Python's handlers never run, so SIGTERM, USR2 and Ray's cancel are ignored until
+SIGKILL (Slurm's KillWait, Ray's force-cancel); ``R.slow`` only makes the probe that many seconds slower. ``ready(folder, R)`` waits
 for that file and returns the pid.
 """
 
@@ -17,9 +19,11 @@ import time
 from pathlib import Path
 
 SITECUSTOMIZE = """
+import ctypes
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 
@@ -31,7 +35,7 @@ def _wrap(module):
 
     def faulty(self, *args, **kwargs):
         rev = kwargs.get("revision")
-        for kind in ("hang", "kill", "slow"):
+        for kind in ("hang", "kill", "native", "slow"):
             planted = os.path.join(FAULTS, f"{rev}.{kind}")
             try:
                 os.rename(planted, planted + f".taken.{os.getpid()}")  # once: the next attempt runs clean
@@ -45,6 +49,9 @@ def _wrap(module):
             with open(ready + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
             os.replace(ready + ".tmp", ready)
+            if kind == "native":  # no Python runs in this thread again: only SIGKILL ends it
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+                ctypes.CDLL(None).pause()
             while True:  # in Python: a signal's handler (SIGTERM, USR2) or Ray's KeyboardInterrupt gets in
                 time.sleep(0.1)
         return probe(self, *args, **kwargs)
@@ -85,8 +92,8 @@ def env(folder: Path, base: dict | None = None) -> dict:
 
 def plant(folder: Path, revision: str, kind: str, seconds: float = 0.0) -> None:
     """The next probe of ``revision`` (in any process with ``env(folder)``) hangs (``hang``), waits for SIGKILL
-    (``kill``), or takes ``seconds`` more (``slow``)."""
-    assert kind in ("hang", "kill", "slow"), kind
+    (``kill``), is stuck in C until SIGKILL (``native``), or takes ``seconds`` more (``slow``)."""
+    assert kind in ("hang", "kill", "native", "slow"), kind
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"{revision}.{kind}").write_text(str(seconds))
 

@@ -42,9 +42,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, *, kill_wait: int = 2):
+    def __init__(self, root: Path, *, kill_wait: int = 2, max_array_size: int = 1001):
         self.root = Path(root)
         self.kill_wait = kill_wait
+        self.max_array_size = max_array_size  # Slurm's default: array indices 0-1000
         self.host = socket.gethostname().split(".")[0]
         self.procs: list[subprocess.Popen] = []
         self.munge_pid: int | None = None
@@ -108,6 +109,7 @@ class SlurmCluster:
                     "MpiDefault=none",
                     "SwitchType=switch/none",
                     f"KillWait={self.kill_wait}",
+                    f"MaxArraySize={self.max_array_size}",
                     "OverTimeLimit=0",
                     "InactiveLimit=0",
                     "MinJobAge=300",

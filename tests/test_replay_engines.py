@@ -271,6 +271,7 @@ def test_submitit_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_l
         ('"/shared/runs/pythia-1b"', repr(str(store))),
         (", gpus_per_node=1", ""),  # no GRES here
         ("time=120", "time=10"),  # submitit calls a USR2 a time-out only past min(80 % of the limit, the limit - 10 min)
+        ("timeout=48 * 3600", "timeout=600"),  # the driver's wait for finalize
     )
     with Watch(store, faults, on_hang=cut_limit(slurm)) as watch:
         scope = {"__name__": "__main__"}

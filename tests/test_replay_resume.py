@@ -122,7 +122,7 @@ def test_the_docs_manifest_line_on_pythia_1bs_154_branches_prints_0_153(online, 
     assert "0-153" in line.split("#", 1)[1]  # and the docs say so
 
 
-def test_every_engines_finalize_gets_a_gpu_and_a_time_limit():
+def test_every_engines_finalize_gets_a_gpu_and_a_time_limit_and_the_driver_a_limit_on_its_wait():
     """The paper protocol's finalize (a float16 group ablation of a 1B model) ran on the CPU for hours: the docs'
     finalize job asked for no GPU, and the submitit, Ray and pool examples called finalize() in the driver."""
     finals = [x for x in docs_block("**Slurm**", "bash").splitlines() if "--finalize" in x]
@@ -133,6 +133,9 @@ def test_every_engines_finalize_gets_a_gpu_and_a_time_limit():
     assert "ray.remote(num_gpus=1)(finalize)" in ray and "run_with_limit(final, [(MODEL,)], out_dir=OUT, limit_s=3600)" in ray
     for block in (submitit, ray):
         assert not re.search(r"^(summary = )?finalize\(", block, re.MULTILINE)  # never called in the driver
+    # and the drivers never wait without a limit: finalize's job through as_completed's timeout, a fresh Ray worker per task
+    assert re.search(r"as_completed\(\[final\], timeout=[\d *]+\)\)\.result\(\)", submitit) and submitit.count(".result()") == 1
+    assert "max_calls=1" in ray.split("(replay_revision)")[0]
 
 
 def test_the_manifest_is_written_once_and_rewritten_only_on_request(online, weights, tmp_path, capsys):
@@ -202,7 +205,7 @@ def test_a_task_writes_every_member_even_when_the_first_is_recorded(online, tmp_
 
 def test_a_unit_killed_by_sigkill_is_recorded_by_finalize_and_its_folder_swept(online, tmp_path, capsys):
     """A unit killed with SIGKILL left its whole revision in $TMPDIR and no failed row. Its folder is in the store
-    (a retry on any node finds it), its marker says it began: --rewrite-manifest is refused meanwhile, --failed-tasks
+    (a retry on any node finds it), its marker says it began (a dead attempt's: --rewrite-manifest is not refused), --failed-tasks
     lists it, finalize records it and sweeps, and the resubmission converges."""
     store, faults = tmp_path / "store", tmp_path / "faults"
     args = ["org/pair", "--out", str(store), *PROBE_ARGS]
@@ -221,7 +224,8 @@ def test_a_unit_killed_by_sigkill_is_recorded_by_finalize_and_its_folder_swept(o
     assert any(p.name == "model.safetensors" for p in left) and list((store / "running").glob("*.json"))
     assert rows(store) == []  # nothing written: SIGKILL runs no handler
     capsys.readouterr()
-    assert cli(*args, "--manifest-only", "--rewrite-manifest") == 2 and "not rewritten while tasks run: step100" in capsys.readouterr().err
+    assert cli(*args, "--manifest-only", "--rewrite-manifest") == 0  # a dead attempt's marker (its lock died with it) blocks nothing
+    capsys.readouterr()
     assert cli(*args, "--failed-tasks") == 0 and capsys.readouterr().out == "0-2\n"
     assert cli(*args, "--finalize", "--no-ablate") == 1
     assert "failed: step100: Killed: the attempt started" in capsys.readouterr().out
@@ -231,6 +235,35 @@ def test_a_unit_killed_by_sigkill_is_recorded_by_finalize_and_its_folder_swept(o
     assert cli(*args, "--failed-tasks") == 0 and capsys.readouterr().out.splitlines()[-1] == ""
     assert sorted(r["revision"] for r in rows(store)) == ["step100", "step200", "step300", "step400"]
     assert all(r["status"] == "ok" for r in rows(store)) and not [p for p in (store / "cache").rglob("*") if p.is_file()]
+
+
+def test_a_task_a_limit_ended_twice_is_not_resubmitted_and_finalize_says_what_limit_to_ask(online, tmp_path, capsys):
+    """A revision slower than --time was killed at the same point every round of the docs' resubmission loop, and
+    nothing said to raise the limit. After the second SIGTERM in a row (Slurm's --time) --failed-tasks leaves it out,
+    and finalize says how far it got and the limit to ask for."""
+    store, faults = tmp_path / "store", tmp_path / "faults"
+    args = ["org/pair", "--out", str(store), *PROBE_ARGS]
+    assert cli(*args, "--manifest-only") == 0
+    e = replay_faults.env(faults, online.env())
+    e["PYTHONPATH"] += os.pathsep + (os.environ.get("PYTHONPATH") or str(ROOT))
+    listed = []
+    for _ in range(2):
+        replay_faults.plant(faults, "step100", "hang")
+        unit = subprocess.Popen([sys.executable, "-m", "sinkwatch", "replay", *args, "--task", "0"], env=e, stderr=subprocess.DEVNULL)
+        os.kill(replay_faults.ready(faults, "step100", 240, alive=lambda p=unit: p.poll() is None), signal.SIGTERM)
+        assert unit.wait(60) == 143
+        (faults / "step100.ready").unlink()
+        listed.append(failed_tasks("org/pair", out_dir=store, probes=PROBES))
+    assert listed == [["step100", "step200", "step400"], ["step200", "step400"]]
+    assert cli(*args, "--task", "2") == 0  # one revision recorded: the report needs one
+    capsys.readouterr()
+    assert cli(*args, "--finalize", "--no-ablate") == 1
+    said = capsys.readouterr().out
+    assert re.search(r"over the limit: step100: ended by the engine's limit 2 times in a row, the last after \d+ s in probe; "
+                     r"not listed by --failed-tasks: resubmit task 0 with a limit of \d+ min or more", said), said  # fmt: skip
+    assert json.loads((store / "trajectory.json").read_text())["over_limit"]["step100"]["count"] == 2
+    md = build_report([store], tmp_path / "rep").read_text()
+    assert re.search(r"`step100`: .* over the limit: ended by it 2 times in a row, the last after \d+ s in probe: ask for \d+ min", md)
 
 
 # ---- wrong branches --------------------------------------------------------------------------------------------------
@@ -262,7 +295,7 @@ def test_a_revision_whose_metadata_failed_is_asked_again_when_its_task_runs(onli
         online.add_revision("org/meta", branch, weights[w])
     c = {b: online.commit_of("org/meta", b) for b in ("step100", "step200")}
     online.fail(f"/api/models/org/meta/revision/{c['step100']}", times=1, status=503)  # the manifest's request only
-    online.fail(f"/api/models/org/meta/revision/{c['step200']}", times=2, status=503)  # the manifest's and the task's
+    online.fail(f"/api/models/org/meta/revision/{c['step200']}", times=3, status=503)  # the manifest's, step100's task's, its own task's
     store = tmp_path / "store"
     with pytest.warns(RuntimeWarning, match="no weights fingerprint for step100 .*step200 "):
         write_manifest("org/meta", out_dir=store, probes=PROBES, fetch=FAST)
@@ -277,6 +310,56 @@ def test_a_revision_whose_metadata_failed_is_asked_again_when_its_task_runs(onli
     md = build_report([store], tmp_path / "rep").read_text()
     assert "Unverified weights" in md and "`step200`" in md[md.index("Unverified weights") :]
     assert "step100" in md[md.index("Duplicated weights") :]
+
+
+def test_every_wrong_branch_layout_is_flagged_though_the_manifest_could_not_read_the_original(online, weights, tmp_path):
+    """The manifest's metadata request for the original failed — a tag, main, an unplanned step — and the tasks asked
+    again only for their own members, so a step serving those weights was drawn unflagged. Each task now asks again
+    for every ref it could copy: step100 (a tag's weights), step200 (main's), step300 (an unplanned step's) flagged;
+    the final step step400 never."""
+    for branch, w in (("step100", "w0"), ("step200", "w1"), ("step250", "w2"), ("step300", "w2"), ("step400", "w3"), ("main", "w1")):
+        online.add_revision("org/layout", branch, weights[w])
+    online.add_tag("org/layout", "v1.0", weights["w0"])
+    for ref in ("v1.0", "main", "step250"):  # the manifest's request only
+        online.fail(f"/api/models/org/layout/revision/{online.commit_of('org/layout', ref)}", times=1, status=503)
+    store = tmp_path / "store"
+    with pytest.warns(RuntimeWarning, match="no weights fingerprint for"):
+        m = write_manifest("org/layout", out_dir=store, revisions=["step100", "step200", "step300", "step400", "main"], probes=PROBES,
+                           fetch=FAST)  # fmt: skip
+    assert {n for n, e in m.entries.items() if e.get("metadata_error")} == {"v1.0", "main", "step250"} and m.groups() == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for task in m.task_names():
+            replay_revision("org/layout", task, out_dir=store, probes=PROBES, fetch=FAST)
+    by = {r["revision"]: r for r in rows(store)}
+    assert {n: r["duplicate_of"] for n, r in by.items()} == {
+        "step100": "v1.0",
+        "step200": "main",
+        "step300": "step250",
+        "step400": None,
+        "main": None,
+    }  # pinned main: measured, never flagged
+    assert not any("weights_unverified" in r for r in by.values())
+    assert [r["revision"] for r in merged_records(store)] == ["step400", "main"]  # the report too: no wrong branch drawn
+
+
+def test_a_step_that_could_copy_an_unreadable_ref_is_marked_unverified(online, weights, tmp_path):
+    """main serves step100's weights, and its metadata can never be read: step100 cannot be told from its copy, so its
+    record says weights_unverified naming main; the final step's record does not (it keeps whatever it shares)."""
+    for branch, w in (("step100", "w0"), ("step200", "w1"), ("main", "w0")):
+        online.add_revision("org/unread", branch, weights[w])
+    online.fail(f"/api/models/org/unread/revision/{online.commit_of('org/unread', 'main')}", times=50, status=503)
+    store = tmp_path / "store"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = write_manifest("org/unread", out_dir=store, probes=PROBES, fetch=FAST)
+        for task in m.task_names():
+            replay_revision("org/unread", task, out_dir=store, probes=PROBES, fetch=FAST)
+    by = {r["revision"]: r for r in rows(store)}
+    assert "main: " in by["step100"]["weights_unverified"] and "503" in by["step100"]["weights_unverified"]
+    assert "weights_unverified" not in by["step200"] and [r["revision"] for r in merged_records(store)] == ["step100", "step200"]
+    assert all(r["duplicate_of"] is None and r["status"] == "ok" for r in by.values())
+    online.clear_faults()
 
 
 def test_the_report_takes_the_duplicate_groups_from_the_manifest(online, weights, tmp_path):

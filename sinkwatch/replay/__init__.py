@@ -20,7 +20,7 @@ One module per idea:
 - ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
 - ``workers``: who this worker is, whatever launched it;
 - ``manifest``: the plan: refs, commits, fingerprints, duplicate groups and named tasks, written once (``DIR/manifest.json``);
-- ``attempts``: one attempt at a task: its own download folder, and a marker saying it began;
+- ``attempts``: one attempt at a task: a download folder and a marker of its own, held (flock) while it lives;
 - ``signals``: SIGTERM as an exception, so a replay writes its failed rows before it exits;
 - ``fetch``: download by commit into the task's folder, prefetch, retries;
 - ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);

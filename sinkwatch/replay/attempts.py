@@ -1,20 +1,29 @@
-"""One attempt at a task: its own download folder and a marker that says it started.
+"""One attempt at a task: a download folder and a marker of its own, held while its process lives.
 
-An attempt — an engine's task, or one task of a worker's loop — begins by emptying the task's own
-cache folder (``ROOT/TASK/``, ROOT being the store's ``cache/`` unless ``--cache-root`` says otherwise,
-so a retry on another node finds what a killed attempt left) and writing ``DIR/running/TASK.json``
-(host, pid, start time, the Slurm job when there is one). It ends — success, failure, SIGTERM or an
-interruption — by emptying the folder again (unless ``--keep-cache``) and removing the marker.
+An attempt — an engine's task, or one task of a worker's loop — is named by its task and an id of its
+own (host.pid.random): its folder is ``ROOT/SLUG@ID/`` (ROOT: the store's ``cache/``, or ``--cache-root``)
+and its marker ``DIR/running/SLUG@ID.json`` (task, host, pid, start time, the Slurm job). Any number of
+attempts at one task — a requeue while the first still lives, a resubmission before the array ended,
+Ray's retry, a worker's pass — run side by side: none deletes another's files, and the record's
+exclusive create (``store``) decides which finished result is kept.
 
-A marker is no lease: nothing waits on it and nothing is taken from its owner. It says that an
-attempt began and did not end, which is what ``--rewrite-manifest`` refuses on, what a worker's pass
-over missing tasks skips, and what ``finalize`` turns into a failed row when the task has no record:
-an attempt killed without a word (SIGKILL: the OOM killer, a hang in C past Slurm's KillWait, Ray's
-memory monitor or force-cancel, a lost node).
+The marker is held under an exclusive ``flock`` for as long as its process lives. That is no lease:
+nothing waits on it (every test is ``LOCK_NB``) and nothing is taken from its owner. The kernel
+releases it when the process dies however it dies (SIGKILL: the OOM killer, KillWait after a hang in
+C, Ray's force-cancel), an NFS server once the dead client's lease expires; so a marker whose lock
+can be taken is a dead attempt's. The next attempt at its task removes it and its folder; ``finalize``
+turns it into a failed row when the task has no record, and sweeps every folder no live attempt holds.
+On a file system without ``flock`` a marker of this host lives while its pid does, one of another
+host is taken as alive. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
+its attempts and never emptied (huggingface_hub's file locks keep concurrent downloads into it whole).
+Why it is here: no engine knows the store's folders, nor sees a retry beside a requeue; the kernel's
+lock is the one liveness every engine (and none) shares.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -22,12 +31,14 @@ import re
 import shutil
 import socket
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 RUNNING_DIR = "running"
 CACHE_DIR = "cache"
-_SAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
-_SLURM = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
+_SAFE = re.compile(r"[^A-Za-z0-9_.=+-]")  # never "@": it separates a task's slug from an attempt's id
+_SLURM = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT")
 
 
 def slug(task: str) -> str:
@@ -39,53 +50,112 @@ def cache_root(out_dir, root: str | os.PathLike | None = None) -> Path:
     return Path(root) if root is not None else Path(out_dir) / CACHE_DIR
 
 
-def folder(out_dir, task: str, root: str | os.PathLike | None = None) -> Path:
-    """The task's own download folder (a Hugging Face cache of its own)."""
-    return cache_root(out_dir, root) / slug(task)
+@dataclass
+class Marker:
+    """An attempt's marker as another process reads it."""
 
+    path: Path
+    info: dict
 
-def _marker(out_dir, task: str) -> Path:
-    return Path(out_dir) / RUNNING_DIR / f"{slug(task)}.json"
+    @property
+    def task(self) -> str:
+        return self.info.get("task", self.path.stem)
 
-
-def begin(out_dir, task: str, *, root=None, keep: bool = False) -> Path:
-    """Start an attempt at ``task``: its folder emptied (unless ``keep``: what an earlier attempt kept is reused)
-    and its marker written. Returns the folder."""
-    path = folder(out_dir, task, root)
-    if not keep:
-        shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True, exist_ok=True)
-    marker = _marker(out_dir, task)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    info = {"task": task, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
-            **{k.lower(): os.environ[k] for k in _SLURM if os.environ.get(k)}}  # fmt: skip
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, marker)
-    return path
-
-
-def end(out_dir, task: str, *, root=None, keep: bool = False) -> None:
-    """End an attempt: its folder emptied (unless ``keep``) and its marker removed."""
-    if not keep:
-        shutil.rmtree(folder(out_dir, task, root), ignore_errors=True)
-    _marker(out_dir, task).unlink(missing_ok=True)
-
-
-def running(out_dir) -> dict[str, dict]:
-    """task -> its marker, for every attempt that began and did not end."""
-    out = {}
-    for p in sorted((Path(out_dir) / RUNNING_DIR).glob("*.json")):
+    def alive(self) -> bool:
+        """Whether the attempt's process still holds its marker (see the module doc)."""
         try:
-            info = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):  # being replaced right now
-            continue
-        out[info.get("task", p.stem)] = info
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # it ended meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return not self.info.get("locked", True) and self._pid_alive()  # taken: nobody held it
+        except BlockingIOError:
+            return True
+        except OSError:  # no flock here: the pid, when it is this host's
+            return self._pid_alive()
+        finally:
+            os.close(fd)
+
+    def _pid_alive(self) -> bool:
+        if self.info.get("host") != socket.gethostname():
+            return True  # another host's process cannot be looked at: taken as alive
+        try:
+            os.kill(int(self.info.get("pid", -1)), 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError):
+            return True
+
+    def remove(self, root=None, *, folder: bool = True) -> None:
+        """A dead attempt's folder, then its marker (a folder never outlives its marker: see ``begin``)."""
+        if folder:
+            shutil.rmtree(cache_root(self.path.parent.parent, root) / self.path.stem, ignore_errors=True)
+        self.path.unlink(missing_ok=True)
+
+
+class Attempt:
+    """This process's attempt at ``task``: ``folder`` to download into; ``end()`` once it is over."""
+
+    def __init__(self, out_dir, task: str, *, root=None, keep: bool = False):
+        self.task, self.keep, self.root = task, keep, root
+        self.id = _SAFE.sub("_", f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
+        name = f"{slug(task)}@{self.id}"
+        self.marker = Path(out_dir) / RUNNING_DIR / f"{name}.json"
+        self.folder = cache_root(out_dir, root) / (slug(task) if keep else name)
+        self.started_at = time.time()
+        self._fd: int | None = None
+
+    def begin(self) -> Attempt:
+        for m in markers(self.marker.parent.parent):  # dead attempts at this task: their folders go
+            if m.task == self.task and not m.alive():
+                m.remove(self.root, folder=not self.keep)
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        info = {"task": self.task, "attempt": self.id, "host": socket.gethostname(), "pid": os.getpid(),
+                "started_at": self.started_at, **{k.lower(): os.environ[k] for k in _SLURM if os.environ.get(k)}}  # fmt: skip
+        tmp = self.marker.with_name(f".{self.marker.name}.tmp")
+        self._fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it has its name: never seen unheld
+        except OSError:
+            info["locked"] = False
+        os.write(self._fd, json.dumps(info).encode())
+        os.replace(tmp, self.marker)  # the inode, and its lock, keep their owner
+        self.folder.mkdir(parents=True, exist_ok=True)  # after the marker: a folder is always held while it exists
+        return self
+
+    def end(self, keep: bool | None = None) -> None:
+        """Its folder emptied (unless ``keep``), then its marker removed; again is a no-op."""
+        if not (self.keep if keep is None else keep):
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.marker.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def begin(out_dir, task: str, *, root=None, keep: bool = False) -> Attempt:
+    """Start an attempt at ``task``: dead attempts' folders removed, its own folder and held marker made."""
+    return Attempt(out_dir, task, root=root, keep=keep).begin()
+
+
+def markers(out_dir) -> list[Marker]:
+    """Every attempt's marker in the store, live or dead."""
+    out = []
+    for p in sorted((Path(out_dir) / RUNNING_DIR).glob("*.json")):
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # ended meanwhile
+            out.append(Marker(p, json.loads(p.read_text())))
     return out
 
 
+def running(out_dir) -> dict[str, dict]:
+    """task -> a live attempt's marker, for every task some attempt is measuring now."""
+    return {m.task: m.info for m in markers(out_dir) if m.alive()}
+
+
 def is_running(out_dir, task: str) -> bool:
-    return _marker(out_dir, task).exists()
+    return any(m.task == task and m.alive() for m in markers(out_dir))
 
 
 def killed_error(info: dict) -> str:
@@ -99,14 +169,15 @@ def killed_error(info: dict) -> str:
 
 
 def sweep(out_dir, tasks, *, root=None) -> list[str]:
-    """Empty what attempts left in the task folders of ``tasks`` (``finalize``); returns the tasks swept."""
-    swept = []
-    for t in tasks:
-        path = folder(out_dir, t, root)
-        if path.exists():
-            shutil.rmtree(path, ignore_errors=True)
-            swept.append(t)
+    """Remove the folders of ``tasks`` that no live attempt holds (``finalize``); returns their names."""
     base = cache_root(out_dir, root)
+    held = {m.path.stem for m in markers(out_dir) if m.alive()}
+    slugs = {slug(t) for t in tasks}
+    swept = []
+    for path in sorted(base.iterdir()) if base.is_dir() else ():
+        if path.name.split("@")[0] in slugs and path.name not in held:
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path.name)
     if base.is_dir() and not any(base.iterdir()):
         base.rmdir()
     return swept

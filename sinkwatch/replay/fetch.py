@@ -4,9 +4,9 @@
   branch resolved to when the manifest was written, so a branch that moves mid-run cannot mix two sets
   of weights. Only one weights format is fetched (safetensors when the revision has it, else ``.bin``):
   what the plan sizes is what is downloaded.
-- **Into the task's own folder** (``attempts.folder``: a Hugging Face cache of its own, emptied when
-  the task's next attempt starts and once its records are written, unless ``keep_cache``). Nothing is
-  shared between tasks, so nothing needs a lock or a registry of who uses what. A user's cache
+- **Into the attempt's own folder** (``Attempt.folder``: a Hugging Face cache of its own, emptied once
+  its records are written, unless ``keep_cache``). Nothing is shared between attempts, so nothing needs
+  a lock or a registry of who uses what. A user's cache
   (``--cache-dir``; offline, ``HF_HUB_OFFLINE=1``, the only source) is read first and never written:
   a revision whose files it holds is not downloaded.
 - **One ahead.** ``prefetch`` downloads the next task's revision on one background thread while the

@@ -1,8 +1,8 @@
 """Measuring one task (docs/design.md §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
 
-1. ``begin``: the task's attempt starts (``attempts``: its own download folder emptied, its marker
-   written); a member whose weights the manifest could not read is asked about again, and flagged
-   when that finds a duplicate;
+1. ``begin``: the task's attempt starts (``attempts``: a folder and a held marker of its own, beside any
+   other attempt at that task); any listed ref whose weights the manifest could not read is asked about
+   again, a member flagged when that finds a duplicate, marked unverified when it cannot;
 2. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
 3. ``fetch``: downloaded by commit into the task's folder on one background thread (``fetch.Fetcher``;
    the loop starts the next task's download while this one is probed);
@@ -38,7 +38,7 @@ from .manifest import Task
 from .plan import ModelShape, Placement, device_budgets, place, revision_config
 from .prepare import ReplaySetup
 from .progress import _counter, _status
-from .provenance import provenance, weights_of
+from .provenance import could_be_a_copy, provenance, weights_of
 from .recipes import Recipe
 from .revisions import Revision, lineage
 from .signals import Terminated
@@ -56,7 +56,7 @@ class Job:
     task: Task
     rev: Revision
     todo: list[Revision]
-    folder: Path | None = None
+    attempt: attempts.Attempt | None = None
     placement: Placement | None = None
     error: BaseException | None = None
     reuse: dict | None = None  # a member's record from an earlier attempt: the same weights, not measured again
@@ -91,8 +91,10 @@ class Measurer:
         self.reporter = _replay_wandb(wandb, out_dir, s.recipe, self.worker)
         self.bar = _counter(len(s.tasks), progress, s.recipe.model)
         self._shapes: dict[str, ModelShape] = {}
-        self._kept: tuple[Revision, Path, str] | None = None  # the ablation revision, on disk until the ablation ran
+        self._kept: tuple[Revision, Path, attempts.Attempt] | None = None  # the ablation revision, on disk until the ablation ran
         self.open: dict[str, Job] = {}  # task -> its attempt, begun and not ended
+        self.stage = "start"
+        self._unreadable: dict[str, str] = {}  # listed refs whose weights could not be read, asked again: why
 
     def _check_store(self) -> None:
         self.store.check(self.s.key)
@@ -108,7 +110,7 @@ class Measurer:
         if not todo:
             return None
         job = Job(task, todo[0], todo)
-        job.folder = attempts.begin(self.out_dir, task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+        job.attempt = attempts.begin(self.out_dir, task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
         self.open[task.name] = job
         try:
             self._verify(job)
@@ -132,13 +134,15 @@ class Measurer:
             job.error = exc
             return job
         if self.fetch_config.prefetch:
-            self.fetcher.prefetch(job.rev, job.folder)
+            self.fetcher.prefetch(job.rev, job.attempt.folder)
         return job
 
     def _verify(self, job: Job) -> None:
-        """What the manifest could not say of the members' weights, asked again: a member whose weights are
-        read now is checked for duplicates over the whole listing (under --skip-duplicates a flagged one is
-        recorded as skipped, not measured); one still unknown is measured and drawn, marked unverified."""
+        """What the manifest could not say of any listed ref's weights — a member's, or those of ``main``, a tag or
+        an unplanned step a member could be a copy of — asked again before a record is written: a member is then
+        checked for duplicates over the whole listing (under --skip-duplicates a flagged one is recorded as skipped,
+        not measured); one whose own weights, or a possible original's, are still unknown is measured and drawn,
+        marked unverified (``weights_unverified`` names what could not be read)."""
         s = self.s
         changed = [r.name for r in job.todo if r.name in s.changed]
         if changed:
@@ -146,21 +150,25 @@ class Measurer:
                 f"{', '.join(changed)} changed on disk since {self.out_dir}/manifest.json was written (its weights are no longer "
                 "the ones planned): write the plan again with --rewrite-manifest"
             )
+        known = {**s.manifest.weights(), **s.source.weights}
+        unknown = [n for n, e in s.manifest.entries.items() if n not in known and not e.get("path") and n not in self._unreadable]
         learned = {}
-        for r in job.todo:
-            if r.path is not None or r.name in s.source.weights:
-                continue
+        for n in unknown:  # asked once per process; a ref still unreadable marks the records that could be its copy
             try:
-                learned[r.name] = weights_of(s.recipe.model, r, cache_dir=self.cache_dir, offline=hub_offline(), policy=self.fetch_config)
+                learned[n] = weights_of(s.recipe.model, s.rev(n), cache_dir=self.cache_dir, offline=hub_offline(), policy=self.fetch_config)
             except Exception as exc:  # noqa: BLE001 - measured anyway, marked unverified
-                s.unverified[r.name] = f"{type(exc).__name__}: {exc}"
-        if not learned:
-            return
-        s.source.weights.update(learned)
-        groups = s.manifest.groups(extra=s.source.weights)
+                self._unreadable[n] = f"{type(exc).__name__}: {exc}"
+        if learned:
+            s.source.weights.update(learned)
+            groups = s.manifest.groups(extra=s.source.weights)
+            s.flags.update({r.name: groups[r.name] for r in job.todo if r.name in groups})
+        listing = [s.rev(n) for n in s.manifest.entries if n not in s.manifest.aliases]
         for r in job.todo:
-            if r.name in groups:
-                s.flags[r.name] = groups[r.name]
+            if r.name in self._unreadable:
+                s.unverified[r.name] = self._unreadable[r.name]
+            elif self._unreadable and r.name not in s.flags and could_be_a_copy(r, listing):
+                refs = "; ".join(f"{n}: {e}" for n, e in self._unreadable.items())
+                s.unverified[r.name] = f"the weights of refs it could be a copy of could not be read ({refs})"
         if s.skip_duplicates:
             for r in [r for r in job.todo if r.name in s.flags]:
                 self._write({**self._base(r), "status": "skipped", "reason": "--skip-duplicates: " + s.flags[r.name].describe()}, job)
@@ -171,9 +179,9 @@ class Measurer:
         job.active = True
         if job.error is not None or job.reuse is not None or not job.todo:
             return None
-        _status(self.bar, job.rev.name, "download")
+        self._at(job.rev.name, "download")
         try:
-            job.path = self.fetcher.fetch(job.rev, job.folder)
+            job.path = self.fetcher.fetch(job.rev, job.attempt.folder)
             return job.path
         except HubUnreachableError:
             raise
@@ -253,13 +261,23 @@ class Measurer:
                 self._log(out)
         return rows
 
-    def write_failed(self, job: Job, error: str) -> list[dict]:
-        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted)."""
+    def _at(self, rev: str, stage: str) -> None:
+        self.stage = stage  # how far the attempt got, should a limit end it
+        _status(self.bar, rev, stage)
+
+    def write_failed(self, job: Job, error: str, *, limit: bool = False) -> list[dict]:
+        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted). ``limit``: an
+        engine's limit ended it (SIGTERM, submitit's time-out, Ray's cancel): the row says after how long, in which stage,
+        and how many attempts in a row a limit ended (``limit``; ``failed_tasks`` stops listing it at two)."""
         rows = []
         for m in job.todo:
             if m.name in job.written or self.store.is_done(self.key(m)):
                 continue
             row = {**self._base(m), "status": "failed", "error": error}
+            if limit:
+                before = (self.store.read(self.key(m)) or {}).get("limit") or {}
+                row["limit"] = {"after_s": round(time.time() - job.attempt.started_at, 1),
+                                "stage": self.stage if job.active else "waiting", "count": before.get("count", 0) + 1}  # fmt: skip
             self.store.write(row)
             rows.append(row)
         return rows
@@ -276,11 +294,10 @@ class Measurer:
     def _end(self, job: Job) -> None:
         """The attempt is over: its folder emptied (the ablation revision's stays until the ablation ran),
         its marker gone, the device cache emptied."""
-        keep = self.fetch_config.keep_cache
-        if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not keep:
-            self._kept = (job.rev, job.path, job.task.name)
-            keep = True
-        attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=keep)
+        if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not self.fetch_config.keep_cache:
+            self._kept = (job.rev, job.path, job.attempt)  # its attempt lives on (its folder held) until the ablation ran
+        else:
+            job.attempt.end()
         self.open.pop(job.task.name, None)
         empty_device_cache()
 
@@ -290,13 +307,14 @@ class Measurer:
         why = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, KeyboardInterrupt):
             why = "KeyboardInterrupt: interrupted (Ctrl-C, or Ray's cancel of a task past its time limit)"
+        limit = isinstance(exc, (Terminated, KeyboardInterrupt)) or type(exc).__name__ == "UncompletedJobError"  # submitit's
         for job in list(self.open.values()):
             try:
                 if job.active or every:
-                    self.write_failed(job, why)
+                    self.write_failed(job, why, limit=limit)
             except OSError as err:  # a full disk fails the failed row too: the task stays unrecorded, as --failed-tasks says
                 warnings.warn(f"sinkwatch replay: no failed row for task {job.task.name} ({err})", RuntimeWarning, stacklevel=2)
-            attempts.end(self.out_dir, job.task.name, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            job.attempt.end()
             self.open.pop(job.task.name, None)
 
     def _probe(self, rev: Revision, path: Path, placement: Placement | None) -> dict:
@@ -304,7 +322,7 @@ class Measurer:
         gpus = sorted({d for d in placement.device_map.values() if str(d).startswith("cuda")}) if placement is not None else []
         reset_peaks(gpus)
         t0 = time.perf_counter()
-        _status(self.bar, rev.name, "load")
+        self._at(rev.name, "load")
         model = self._load(rev, path, dtype, placement)
         load_s = time.perf_counter() - t0
         leaving = False
@@ -314,7 +332,7 @@ class Measurer:
                 # the paper's attention weights came from eager half-precision attention (output_attentions):
                 # every layer's input must come from the same forward for its numbers to carry over
                 model.set_attn_implementation("eager")
-            _status(self.bar, rev.name, "probe")
+            self._at(rev.name, "probe")
             used: dict = {}
             snap = oom_retry(
                 [self.monitor],
@@ -325,7 +343,7 @@ class Measurer:
             )
             record = snap.to_record()  # with the device it ran on (Monitor.probe)
             if self.pr_monitor is not None:
-                _status(self.bar, rev.name, "PR (float16, first 500)")
+                self._at(rev.name, "PR (float16, first 500)")
                 if dtype == "float16":
                     model.set_attn_implementation(default)  # the paper's PR scripts ran the model's default attention
                 else:
@@ -406,21 +424,21 @@ class Measurer:
             return
         task = f"ablation {name}"
         kept = self._kept[1] if self._kept is not None and self._kept[0].name == name else None
-        folder = attempts.begin(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+        attempt = attempts.begin(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
         try:
             run_ablation(
                 self.monitor, self.s.recipe, name, out_dir=self.out_dir, key=self.s.key, dtype=self.s.dtype, device=self.device,
                 cache_dir=self.cache_dir, bar=self.bar, commit=rev.commit,
                 # loaded as the revisions are (fetched by commit, inside run_ablation's error handling)
-                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev, folder)), dt, None),
+                load=lambda _name, dt: self._load(rev, None if rev.path else (kept or self.fetcher.fetch(rev, attempt.folder)), dt, None),
             )  # fmt: skip
         finally:
-            attempts.end(self.out_dir, task, root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            attempt.end()
             self._drop_kept(name)
 
     def _drop_kept(self, name: str | None = None) -> None:
         if self._kept is not None and (name is None or self._kept[0].name == name):
-            attempts.end(self.out_dir, self._kept[2], root=self.fetch_config.cache_root, keep=self.fetch_config.keep_cache)
+            self._kept[2].end()
             self._kept = None
 
     def _close(self, *, wait: bool) -> None:

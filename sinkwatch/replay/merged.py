@@ -43,7 +43,8 @@ def duplicate_groups(store_dir: str | os.PathLike, records: Sequence[dict] | Non
     """revision -> ``{"duplicate_of", "duplicate_group", "duplicate_kind"}`` for every flagged revision of a
     store: the groups of its manifest over the whole listing (with the weights tasks learned after it was
     written: a record's ``weight_files``), whatever each record was stamped with when it was written; a
-    store without a manifest (written before one, or a live store) keeps its records' stamps."""
+    store without a manifest (written before one, or a live store), or a record whose group holds a ref the manifest
+    could not read, keeps its record's stamp."""
     records = stored_records(store_dir) if records is None else records
     latest = {r["revision"]: r for r in records if r.get("revision") is not None}
     m = read_manifest(store_dir) if (Path(store_dir) / "manifest.json").is_file() else None
@@ -53,7 +54,8 @@ def duplicate_groups(store_dir: str | os.PathLike, records: Sequence[dict] | Non
         for name, g in m.groups(extra={n: w for n, w in learned.items() if not m.entries[n].get("weights")}).items():
             kind = "identical" if g.identical else "shared files: " + ", ".join(g.shared_files)
             out[name] = {"duplicate_of": g.duplicate_of, "duplicate_group": list(g.members), "duplicate_kind": kind}
-    for name, r in latest.items():
-        if (m is None or name not in m.entries) and r.get("duplicate_of"):
+    for name, r in latest.items():  # stamped by a task that read weights the manifest could not (main's, a tag's): kept
+        unread = m is not None and any(not (m.entries.get(x) or {}).get("weights") for x in r.get("duplicate_group") or ())
+        if (m is None or name not in m.entries or unread) and name not in out and r.get("duplicate_of"):
             out[name] = {k: r.get(k) for k in ("duplicate_of", "duplicate_group", "duplicate_kind")}
     return out

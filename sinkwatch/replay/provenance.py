@@ -163,7 +163,7 @@ def fingerprints(
     """name -> Weights for every revision whose weights can be read without downloading them: a local
     revision's files, the hub's metadata (online) or the local cache (``HF_HUB_OFFLINE=1``). A revision
     whose metadata cannot be read gets no entry (one warning; ``errors``, when given, gets name -> why):
-    it is never called a duplicate on a guess, and its task asks again when it runs."""
+    it is never called a duplicate on a guess, and every task asks again before it records."""
     from ..models.loading import hub_offline
 
     offline = hub_offline() if offline is None else offline
@@ -178,8 +178,9 @@ def fingerprints(
         if errors is not None:
             errors.update(missing)
         warnings.warn(
-            f"sinkwatch replay: no weights fingerprint for {', '.join(f'{n} ({e})' for n, e in missing.items())}; their tasks ask "
-            "again when they run (and check them for duplicates then); a revision still unknown is drawn marked unverified",
+            f"sinkwatch replay: no weights fingerprint for {', '.join(f'{n} ({e})' for n, e in missing.items())}; each task asks "
+            "again before it records (a step could be a copy of any of them); a record that could be a copy of one still unknown "
+            "is drawn marked unverified",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -222,6 +223,12 @@ class DuplicateGroup:
 def _is_point(rev: Revision) -> bool:
     """A trajectory point: a step, and not a later stage's step 0 (that stage starting from the last one)."""
     return rev.step is not None and not ((rev.stage or 0) >= 2 and rev.step == 0)
+
+
+def could_be_a_copy(rev: Revision, listing: Sequence[Revision]) -> bool:
+    """Whether ``rev`` would be flagged were it serving another ref's weights: a point that is not its run's final step
+    (the final step keeps the weights it shares; ``main``, tags and a later stage's step 0 are expected aliases)."""
+    return _is_point(rev) and rev.step != max((r.step for r in listing if _is_point(r) and r.run == rev.run), default=rev.step)
 
 
 def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], aliases: Sequence[Revision] = ()) -> dict[str, DuplicateGroup]:

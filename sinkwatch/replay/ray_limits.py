@@ -1,10 +1,11 @@
-"""A time limit for Ray tasks, which Ray does not have: the driver waits with ``ray.wait`` and a timeout,
-and cancels a task past its limit.
+"""A time limit for Ray tasks, which Ray does not have (no per-task timeout: only ``ray.wait``/``ray.get``
+take one): the driver waits with ``ray.wait`` and a timeout, and cancels a task past its limit.
 
 ``ray.cancel(ref)`` raises KeyboardInterrupt in the task's Python: the replay unit writes its failed
-rows and ends its attempt. A task stuck in C (a CUDA hang) never sees it: after ``grace_s`` it is
+rows and ends its attempt. A task stuck in C (a CUDA hang) never sees it: ``grace_s`` later it is
 cancelled with ``force=True``, which kills its worker process — no row; ``finalize`` records it as
-killed. Ray retries neither (cancelled tasks are never retried): resubmit what ``failed_tasks`` lists.
+killed. Every task's deadlines are kept side by side, so one task's grace never delays another's.
+Ray retries neither (cancelled tasks are never retried): resubmit what ``failed_tasks`` lists.
 A task's time counts from its submission, so at most ``slots`` run at once (submitted as others end).
 """
 
@@ -16,40 +17,43 @@ from collections.abc import Sequence
 
 def run_with_limit(remote, calls: Sequence[tuple], *, limit_s: float, grace_s: float = 60.0, slots: int | None = None, **kwargs) -> list:
     """``remote.remote(*call, **kwargs)`` for each of ``calls``, at most ``slots`` at a time (default: the
-    cluster's GPUs, else its CPUs), each cancelled once it has run ``limit_s`` seconds. Returns each call's
+    cluster's GPUs, else its CPUs), each cancelled once it has run ``limit_s`` seconds, force-cancelled
+    ``grace_s`` later, and given up on (``TimeoutError``) ``grace_s`` after that. Returns each call's
     result, or the exception it ended with (``RevisionFailed``, ``TaskCancelledError``...), in order."""
     import ray
 
-    if not limit_s > 0:
-        raise ValueError(f"limit_s must be a positive number of seconds, got {limit_s!r}")
+    if not limit_s > 0 or not grace_s > 0:
+        raise ValueError(f"limit_s and grace_s must be positive numbers of seconds, got {limit_s!r} and {grace_s!r}")
     if slots is None:
         resources = ray.cluster_resources()
         slots = int(resources.get("GPU", 0)) or int(resources.get("CPU", 1))
     queue = list(enumerate(calls))
     out: list = [None] * len(calls)
-    running: dict = {}  # ref -> (call index, deadline)
+    running: dict = {}  # ref -> [call index, next deadline, cancels sent]
     while queue or running:
-        while queue and len(running) < max(1, slots):
+        while queue and len(running) < max(1, slots):  # a cancelled task holds its slot until its worker is gone
             i, call = queue.pop(0)
-            running[remote.remote(*call, **kwargs)] = (i, time.monotonic() + limit_s)
-        wait = max(0.0, min(d for _, d in running.values()) - time.monotonic())
+            running[remote.remote(*call, **kwargs)] = [i, time.monotonic() + limit_s, 0]
+        wait = max(0.0, min(d for _, d, _ in running.values()) - time.monotonic())
         ready, _ = ray.wait(list(running), num_returns=1, timeout=wait)
         for ref in ready:
             out[running.pop(ref)[0]] = _result(ray, ref)
-        for ref, (i, deadline) in list(running.items()):
-            if time.monotonic() < deadline:
+        now = time.monotonic()
+        for ref, entry in list(running.items()):
+            i, deadline, cancels = entry
+            if now < deadline:
                 continue
-            ray.cancel(ref)  # KeyboardInterrupt in the task: the unit writes its failed rows
-            done, _ = ray.wait([ref], timeout=grace_s)
-            if not done:
-                ray.cancel(ref, force=True)  # stuck where Python cannot interrupt it: its worker is killed
-            out[i] = _result(ray, ref, timeout=grace_s)
-            running.pop(ref)
+            if cancels == 2:  # its worker was killed a grace ago and Ray still reports nothing: not waited for
+                out[i] = TimeoutError(f"call {i} did not end {grace_s:.0f} s after its force-cancel")
+                running.pop(ref)
+                continue
+            ray.cancel(ref, force=cancels == 1)  # KeyboardInterrupt first (the unit writes its rows); then its worker is killed
+            entry[1:] = [now + grace_s, cancels + 1]
     return out
 
 
-def _result(ray, ref, timeout: float | None = None):
+def _result(ray, ref):
     try:
-        return ray.get(ref, timeout=timeout)
+        return ray.get(ref, timeout=0)
     except Exception as exc:  # noqa: BLE001 - each call's outcome is returned, not raised
         return exc

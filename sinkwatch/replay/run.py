@@ -2,6 +2,7 @@
 
 For plain processes — one process, torchrun, ``srun -n``, hosts started by hand — sharing a store.
 Engines (Slurm arrays, submitit, Ray) run the per-task unit of ``unit`` instead, over the same manifest.
+Why it is here: torchrun and ``srun -n`` start N copies of one command and schedule nothing, so the split is ours.
 
 One worker, whatever launched it, runs ``replay``:
 
@@ -12,9 +13,10 @@ One worker, whatever launched it, runs ``replay``:
    not recorded yet is measured (a failed one too: a rerun retries it), the next one downloading while
    this one is probed;
 3. one pass over the other tasks, from the end of the list (where the other workers' strides end):
-   each still without any row and not begun by anyone (``attempts.running``) is measured too. A task two
+   each still without any row and no live attempt (``attempts.is_running``) is measured too. A task two
    workers measure at once is recorded once (exclusive create): at most a few measurements are
-   duplicated at the tail, never a record;
+   duplicated at the tail, never a record. The stride does not skip live attempts: a requeue's starts
+   before the old process has died, and skipping would leave the task to a rerun;
 4. the group ablation, by the worker that recorded its revision (or, when that was recorded before or
    is no measured revision, by rank 0).
 

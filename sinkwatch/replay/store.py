@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -215,6 +216,9 @@ class ReplayStore:
                 self.record_path(done, failed=True).unlink(missing_ok=True)
             else:
                 os.replace(tmp, self.record_path(done, failed=True))
+                if final.exists():  # another attempt's success landed meanwhile: no failed row beside it
+                    self.record_path(done, failed=True).unlink(missing_ok=True)
+                    return False
         finally:
             tmp.unlink(missing_ok=True)
         return True
@@ -338,4 +342,22 @@ def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
     rows = write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets))
     latest = {r["revision"]: r for r in rows if r.get("revision") is not None and (r.get("status") == "failed" or _is_ok_record(r))}
     ok = {(r["revision"], r.get("commit")) for r in rows if _is_ok_record(r)}
-    return {name: r.get("error", "") for name, r in latest.items() if r.get("status") == "failed" and (name, r.get("commit")) not in ok}
+    return {
+        name: r.get("error", "") + limit_note(r)
+        for name, r in latest.items()
+        if r.get("status") == "failed" and (name, r.get("commit")) not in ok
+    }
+
+
+def limit_note(row: dict) -> str:
+    """For a failed row an engine's limit ended twice in a row (``unit.over_limit``): how far it got, the limit to ask for."""
+    lim = row.get("limit") or {}
+    if lim.get("count", 0) < 2:
+        return ""
+    return (f" — over the limit: ended by it {lim['count']} times in a row, the last after {lim['after_s']:.0f} s in {lim['stage']}: "
+            f"ask for {ask_min(lim)} min or more")  # fmt: skip
+
+
+def ask_min(limit: dict) -> int:
+    """The limit to ask for, in whole minutes: twice what the attempt had (how much more it needs is unknown)."""
+    return max(1, math.ceil(2 * limit["after_s"] / 60))

@@ -29,7 +29,7 @@ from .options import UNIT, ReplayOptions
 from .prepare import ablation_at, prepare_replay
 from .revisions import Revision
 from .signals import Terminated, exit_terminated, terminate_cleanly
-from .store import ReplayStore, done_key
+from .store import ReplayStore, ask_min, done_key
 
 
 class _UnitLoop(Measurer):
@@ -108,10 +108,19 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, options: ReplayO
 
 def failed_tasks(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> list[str]:
     """Names of the manifest's tasks with a member not recorded (failed, killed, never run): what to
-    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices."""
+    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices. A task an
+    engine's limit ended twice in a row is left out (the same limit would end it again): ``finalize`` lists
+    it under ``over_limit`` with the limit to ask for."""
     s = prepare_replay(model, _options(out_dir, options, kwargs, "failed_tasks()"), manifest="require")
     store = ReplayStore(out_dir)
-    return [t.name for t in s.manifest.task_list if not all(store.is_done(done_key(s.key, r.name, r.commit)) for r in s.needed(t))]
+    rows = {t.name: [store.read(done_key(s.key, r.name, r.commit)) for r in s.needed(t)] for t in s.manifest.task_list}
+    return [n for n, got in rows.items() if not all(r is not None and r.get("status", "ok") != "failed" for r in got)
+            and not any(over_limit(r) for r in got)]  # fmt: skip
+
+
+def over_limit(row: dict | None) -> bool:
+    """An engine's limit ended two attempts in a row: resubmitted with the same limit it would end the same way."""
+    return row is not None and row.get("status") == "failed" and (row.get("limit") or {}).get("count", 0) >= 2
 
 
 def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> dict:
@@ -119,8 +128,10 @@ def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None
     ended (killed by SIGKILL) gets a failed row for each member it did not record, what attempts left in
     the task folders is swept (unless ``keep_cache``), the stages are derived over the whole store in step
     order (``DIR/trajectory.json``), the group ablation runs once (as ``replay`` decides it), and it says
-    which planned revisions failed or are missing. Returns ``{"done", "failed": {revision: error},
-    "missing", "skipped", "killed", "trajectory", "ablation"}``."""
+    which planned revisions failed or are missing. An attempt still alive (a requeue, a late task) is left
+    alone and listed under ``running``. Returns ``{"done", "failed": {revision: error}, "missing", "skipped",
+    "killed", "running", "over_limit": {revision: {"after_s", "stage", "count", "task", "ask_min"}},
+    "trajectory", "ablation"}``."""
     from .ablation import ablation_key, check_ablation, read_ablation
 
     o = _options(out_dir, options, kwargs, "finalize()")
@@ -129,18 +140,21 @@ def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None
     store = ReplayStore(out_dir)
     m = s.manifest
     loop = _UnitLoop(s, **o.loop(progress=False))
-    killed = []
-    for name, info in attempts.running(out_dir).items():
-        task = next((t for t in m.task_list if t.name == name), None)
+    killed, live = [], []
+    for mark in attempts.markers(out_dir):  # a live attempt (beside finalize: a requeue, a late task) writes its own outcome
+        if mark.alive():
+            live.append(mark.task)
+            continue
+        task = next((t for t in m.task_list if t.name == mark.task), None)
         for r in s.needed(task) if task is not None else ():
             row = store.read(done_key(s.key, r.name, r.commit))
-            if row is None or (row.get("status") == "failed" and (row.get("written_at") or 0) < info.get("started_at", 0)):
-                store.write({**loop._base(r), "status": "failed", "error": attempts.killed_error(info)})
+            if row is None or (row.get("status") == "failed" and (row.get("written_at") or 0) < mark.info.get("started_at", 0)):
+                store.write({**loop._base(r), "status": "failed", "error": attempts.killed_error(mark.info)})
                 killed.append(r.name)
-        attempts.end(out_dir, name, root=fetch.cache_root, keep=fetch.keep_cache)
+        mark.remove(fetch.cache_root, folder=not fetch.keep_cache)
     if not fetch.keep_cache:
         attempts.sweep(out_dir, [*m.task_names(), *(f"ablation {n}" for n in m.entries)], root=fetch.cache_root)
-    done, failed, missing, skipped = [], {}, [], []
+    done, failed, missing, skipped, over = [], {}, [], [], {}
     for t in m.task_list:
         for n in t.members:
             r = s.rev(n)
@@ -151,6 +165,9 @@ def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None
                 done.append(n)
             elif row is not None:
                 failed[n] = row.get("error", "")
+                if over_limit(row):
+                    lim = row["limit"]
+                    over[n] = {**lim, "task": m.index_of(t.name), "ask_min": ask_min(lim)}
             else:
                 missing.append(n)
     records = merged_records(out_dir)
@@ -169,7 +186,7 @@ def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None
         loop._close(wait=True)
     order = {n: i for i, n in enumerate(m.revisions)}
     summary = {"done": sorted(done, key=order.get), "failed": failed, "missing": missing, "skipped": skipped, "killed": killed,
-               "trajectory": trajectory, "ablation": ablation}  # fmt: skip
+               "running": sorted(set(live)), "over_limit": over, "trajectory": trajectory, "ablation": ablation}  # fmt: skip
     write_atomic(Path(out_dir) / "trajectory.json", {k: v for k, v in summary.items() if k != "ablation"})
     return summary
 

@@ -2,7 +2,7 @@
 
 The index and count detected here are a worker's stride of the manifest's tasks (``run``: it measures
 those first, then what is still missing), name the worker (its records, its W&B run), pick its GPU,
-and size the plan's split.
+and size the plan's split. Why it is here: each launcher says who a process is only in its own variables.
 
 Launchers, in the order they are recognised (the first that matches decides):
 
