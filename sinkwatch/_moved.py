@@ -1,5 +1,5 @@
 """Import paths that moved, kept working: ``import sinkwatch.monitor`` is ``sinkwatch.probe.monitor``, the same
-module object (one class, one ``isinstance``), not a copy. docs/design.md §10 draws the layout these point into.
+module object (one class, one ``isinstance``), not a copy. docs/design.md §11 draws the layout these point into.
 
 One table instead of a shim file per old path, so the package's top level shows only the rooms of the data
 flow. A moved package carries its submodules (``sinkwatch.reporting.jsonl`` is ``sinkwatch.reporters.jsonl``).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 
@@ -51,6 +52,9 @@ def new_name(old: str) -> str | None:
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers an old path with the module of its new one (imported under its new name, once)."""
 
+    def __init__(self):
+        self._specs: dict[str, importlib.machinery.ModuleSpec] = {}
+
     def find_spec(self, fullname, path=None, target=None):
         new = new_name(fullname)
         if new is None or importlib.util.find_spec(new) is None:  # not moved, or nothing there: the old name's own error
@@ -58,10 +62,13 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
-        return importlib.import_module(new_name(spec.name))
+        module = importlib.import_module(new_name(spec.name))
+        self._specs[spec.name] = module.__spec__  # the import system overwrites it with the old name's next
+        return module
 
     def exec_module(self, module) -> None:
-        pass  # imported already, under its new name
+        # imported already, under its new name; its own spec back, so its relative imports and reload keep working
+        module.__spec__ = self._specs.pop(module.__spec__.name)
 
 
 def install() -> None:

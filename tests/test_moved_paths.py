@@ -51,3 +51,18 @@ def test_the_documented_imports_run():
     assert len(lines) >= 10  # the files are read: they hold more than ten
     for line in lines:
         exec(line, {})
+
+
+def test_an_old_path_leaves_the_module_its_own_name_and_spec():
+    """Importing through an old path must not rename the module: its lazy relative imports (``from ..reporters ...``
+    inside the adapters) and ``importlib.reload`` read ``__spec__``."""
+    import warnings
+
+    import sinkwatch.hf  # noqa: F401 - through the old path first
+    from sinkwatch.adapters import hf
+
+    assert hf.__spec__.name == hf.__name__ == "sinkwatch.adapters.hf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a wrong __spec__ makes every relative import warn (ImportWarning)
+        exec("from ..reporters.base import Reporter", vars(hf).copy())
+    assert importlib.reload(hf) is hf and hf.__name__ == "sinkwatch.adapters.hf"

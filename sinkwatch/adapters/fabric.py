@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import atexit
 import warnings
-from dataclasses import fields
 from importlib import metadata
 from typing import Any
 
@@ -76,9 +75,7 @@ def _check_litgpt_version() -> None:
 
 _check_litgpt_version()
 
-# the options the environment variable of the entry point may set: those typed with plain scalars
-_SCALAR_TYPES = {"int", "float", "bool", "str", "None"}
-SCALAR_OPTIONS = tuple(f.name for f in fields(LiveConfig) if {p.strip() for p in str(f.type).split("|")} <= _SCALAR_TYPES)
+SCALAR_OPTIONS = LiveConfig.scalar_options()  # the options the entry point's environment variable may set
 
 
 class SinkWatchFabricCallback:

@@ -35,9 +35,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 from ..live import LiveConfig, LiveMonitor
 
 _latest: weakref.ref | None = None  # the callback the user built most recently in this process
-# transformers saves a callback's arguments as JSON: the options typed with plain scalars survive
-_JSON_TYPES = {"int", "float", "bool", "str", "None"}
-_JSON_OPTIONS = tuple(f.name for f in fields(LiveConfig) if {part.strip() for part in str(f.type).split("|")} <= _JSON_TYPES)
+_JSON_OPTIONS = LiveConfig.scalar_options()  # transformers saves a callback's arguments as JSON: these survive
 
 
 class SinkWatchTrainerCallback(TrainerCallback, ExportableState):

@@ -35,6 +35,7 @@ import torch
 from .forwards import GroupForwards
 from .layout import ProbeLayout, group_device
 from .protocol import COMBINE, DONE, FAIL, FAULT_TIMEOUT_S, START, PeerFailed, ProbeFaultEverywhere, ProbeForwardBroken, ProbeNotReady
+from .testing import fault_point
 
 _GROUPS = 0  # ProbeGroups of several ranks built in this process (their ids name their store keys)
 
@@ -179,9 +180,9 @@ class ProbeGroup:
         ok, short = self.agree(START if error is None else FAIL, token, flag=int(isinstance(error, ProbeNotReady)))
         value = None
         if ok:
-            guarded = target if self.size == 1 else GroupForwards(target, self, step, token)
-            share = self.share(step, token)
             try:
+                guarded = target if self.size == 1 else GroupForwards(target, self, step, token)
+                share = self.share(step, token)
                 if self.layout is None:
                     value = probe(guarded, share)
                 else:
@@ -189,6 +190,8 @@ class ProbeGroup:
                         lambda: probe(guarded, share), device_type=target.device.type,
                         gathering=lambda: self.collective(step, "gathering the full parameters"),
                     )  # fmt: skip
+                if step is not None:  # a probe, not the pre-flight one (which has no injection point)
+                    fault_point("after", step)
             except ProbeForwardBroken:
                 raise  # the other ranks wait inside a forward: never go on to training's collectives out of step
             except Exception as exc:  # noqa: BLE001

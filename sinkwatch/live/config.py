@@ -104,6 +104,13 @@ class LiveConfig:
                 raise TypeError(f"reporters must be sinkwatch Reporter instances, got {type(r).__name__}")
 
     @classmethod
+    def scalar_options(cls) -> tuple[str, ...]:
+        """The options typed with plain scalars (int, float, bool, str, None): what survives as JSON (the HF
+        Trainer's saved callback arguments) and what text can set (Fabric's ``SINKWATCH_FABRIC``)."""
+        plain = {"int", "float", "bool", "str", "None"}
+        return tuple(f.name for f in fields(cls) if {part.strip() for part in str(f.type).split("|")} <= plain)
+
+    @classmethod
     def from_kwargs(cls, kwargs: dict) -> LiveConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names - {"stages"})

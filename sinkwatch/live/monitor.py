@@ -291,9 +291,7 @@ class LiveMonitor:
             return self.config_hash
 
         def probe(target, share):
-            snap = self.monitor.probe(target, share=share, step=step, tokens=tokens)
-            fault_point("after", step)
-            return snap
+            return self.monitor.probe(target, share=share, step=step, tokens=tokens)
 
         outcome = self.group.run(step, probe, target=self.target, check=check, quiet=delayed_from is not None)
         self.last_probed_step = step

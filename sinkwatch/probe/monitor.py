@@ -26,7 +26,7 @@ from ..probes import InductionProbe, NaturalProbe, ProbeRecipe, ProbeSet, Repeat
 from ..records import device_of, versions
 from ..stages import classify
 from .collectors import AblationPart, HeadCountPart, ProbeCollector
-from .config import PAPER_PR_SEQUENCES, PROTOCOLS, MonitorConfig  # noqa: F401 - sinkwatch.monitor kept them
+from .config import PROTOCOLS, MonitorConfig  # noqa: F401 - sinkwatch.monitor's PROTOCOLS, kept
 from .memory import micro_batch_rows
 from .runs import P0_CIRCUIT_KEYS, PROBE_RUNS, ProbeRun, SinkRun, anchor_view, bos_free_twin
 from .share import ProbeShare, State, combine, micro_batches
