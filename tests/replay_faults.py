@@ -2,7 +2,7 @@
 the engine and resume tests: a probe that hangs, or that waits to be killed with SIGKILL.
 
 ``env(folder)`` gives a process a ``sitecustomize`` that, when ``SINKWATCH_TEST_FAULTS`` names a folder, wraps
-``Monitor.probe`` once ``sinkwatch.monitor`` is imported. A probe of revision R finds ``R.hang`` or ``R.kill``
+``Monitor.probe`` once ``sinkwatch.probe.monitor`` is imported. A probe of revision R finds ``R.hang`` or ``R.kill``
 there (``plant``), takes it (a rename: each fault fires once, so the next attempt runs clean), writes
 ``R.ready`` (its pid) and then sleeps in Python — a hang that SIGTERM, submitit's USR2 and Ray's
 KeyboardInterrupt interrupt, as a hung download or a stuck loop would be; ``kill`` waits there for the test's
@@ -61,7 +61,7 @@ def _wrap(module):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "sinkwatch.monitor":
+        if name != "sinkwatch.probe.monitor":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
