@@ -402,3 +402,17 @@ def patched_endpoint(endpoint: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def tiny_revisions(folder: Path, repo: str, names, family: str = "llama", **build_kwargs) -> Iterator[LocalHub]:
+    """A stand-in hub serving ``repo``'s revisions ``names``, each a tiny ``family`` model (seed: its index) saved
+    under ``folder``, with this process's huggingface_hub pointed at it while it lives."""
+    from tiny_models import build
+
+    with LocalHub() as h:
+        for i, name in enumerate(names):
+            build(family, seed=i, **build_kwargs).save_pretrained(Path(folder) / name)
+            h.add_revision(repo, name, Path(folder) / name)
+        with patched_endpoint(h.endpoint):
+            yield h

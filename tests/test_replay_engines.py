@@ -32,8 +32,7 @@ import pytest
 import replay_faults
 import slurm_cluster
 import yaml
-from local_hub import LocalHub, patched_endpoint
-from tiny_models import build
+from local_hub import tiny_revisions
 
 from sinkwatch.replay import read_manifest, record_files
 from sinkwatch.reporting.jsonl import read_jsonl
@@ -55,13 +54,9 @@ def missing(reason: str):
 @pytest.fixture(scope="module")  # not session: it points this process's huggingface_hub at the stand-in hub while it lives
 def engine_hub(tmp_path_factory):
     d = tmp_path_factory.mktemp("engine_revisions")
-    with LocalHub() as h:
-        for i, name in enumerate(NAMES):
-            build("gpt_neox", seed=i, vocab_size=10_000).save_pretrained(d / name)  # the recipe's probe draws ids in [100, 10000)
-            h.add_revision(REPO, name, d / name)
+    with tiny_revisions(d, REPO, NAMES, "gpt_neox", vocab_size=10_000) as h:  # the recipe's probe draws ids in [100, 10000)
         h.add_revision(REPO, "main", d / NAMES[-1])  # as Pythia's main: the final step's weights
-        with patched_endpoint(h.endpoint):
-            yield h
+        yield h
 
 
 @pytest.fixture()

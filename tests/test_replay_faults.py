@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import replay_faults
 import slurm_cluster
-from local_hub import LocalHub, patched_endpoint
-from tiny_models import build
+from local_hub import tiny_revisions
 
 from sinkwatch import InductionProbe
 from sinkwatch.replay import FetchConfig, attempts, failed_tasks, finalize, record_files, replay_revision, run_with_limit, write_manifest
@@ -44,13 +43,8 @@ def missing(reason: str):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fault_revisions")
-    with LocalHub() as h:
-        for i, name in enumerate(NAMES):
-            build("llama", seed=i).save_pretrained(d / name)
-            h.add_revision(REPO, name, d / name)
-        with patched_endpoint(h.endpoint):
-            yield h
+    with tiny_revisions(tmp_path_factory.mktemp("fault_revisions"), REPO, NAMES) as h:
+        yield h
 
 
 def env(hub, faults: Path) -> dict:

@@ -23,8 +23,7 @@ from pathlib import Path
 import filelock
 import pytest
 import replay_faults
-from local_hub import LocalHub, patched_endpoint
-from tiny_models import build
+from local_hub import tiny_revisions
 
 from sinkwatch import InductionProbe
 from sinkwatch.cli import main
@@ -41,13 +40,8 @@ FAST = FetchConfig(retries=0, backoff_s=0.01, backoff_max_s=0.05)
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    d = tmp_path_factory.mktemp("worker_revisions")
-    with LocalHub() as h:
-        for i, name in enumerate(NAMES):
-            build("llama", seed=i).save_pretrained(d / name)
-            h.add_revision(REPO, name, d / name)
-        with patched_endpoint(h.endpoint):
-            yield h
+    with tiny_revisions(tmp_path_factory.mktemp("worker_revisions"), REPO, NAMES) as h:
+        yield h
 
 
 def rows(store) -> list[dict]:
