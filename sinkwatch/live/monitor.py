@@ -49,8 +49,8 @@ class LiveMonitor:
         self.config = config
         self.monitor: Monitor | None = None
         self.target: ProbeTarget | None = None
-        self.layout = ProbeLayout(RankFacts(is_global_zero=True, world_size=1, sharding=None))
-        self.group = ProbeGroup(1)  # the ranks that run each probe together (decided at setup)
+        # the ranks that run each probe together, and this rank's layout (``self.layout``): decided at setup
+        self.group = ProbeGroup(1, layout=ProbeLayout(RankFacts(is_global_zero=True, world_size=1, sharding=None)))
         self.schedule = Schedule(config)
         self.tracker = StageTracker(config.monitor.stages)
         self.tracker_since_step = 0  # the step the stage tracker's current segment started at
@@ -71,6 +71,11 @@ class LiveMonitor:
         self._warned: set[str] = set()
         self._ready = False
         self._preflighted = False
+
+    @property
+    def layout(self) -> ProbeLayout:
+        """This rank's layout: the group's, which runs each probe on it."""
+        return self.group.layout
 
     @property
     def rank(self) -> RankFacts:
@@ -116,11 +121,11 @@ class LiveMonitor:
                 "must run each probe forward together (its all-reduces), so every data-parallel replica probes its share; "
                 "leave split_probe at True"
             )
-        self.layout = ProbeLayout.of(
+        layout = ProbeLayout.of(
             self.target.module, outer, is_global_zero=is_global_zero, world_size=world_size, split=cfg.split_probe,
             compute_dtype=compute_dtype, tp=tensor_parallel,
         )  # fmt: skip
-        self.group = ProbeGroup.for_layout(self.layout, prefer=self.target.device, fault_timeout_s=float(cfg.fault_timeout_s))
+        self.group = ProbeGroup.for_layout(layout, prefer=self.target.device, fault_timeout_s=float(cfg.fault_timeout_s))
         self.max_steps = max_steps if max_steps and max_steps > 0 else None
         if cfg.log_spaced:  # one schedule for the whole run: rank 0's (ranks with unequal data estimate differently)
             self.max_steps = shared_max_steps(self.max_steps, self.target.device)
