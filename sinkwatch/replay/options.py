@@ -27,6 +27,7 @@ from typing import Any
 from ..models.loading import DTYPES
 from ..probe.config import PROTOCOLS, MonitorConfig
 from .fetch import FetchConfig
+from .plan import DEFAULT_BANDWIDTH_MB_S
 from .revisions import Revision
 from .store import parse_shard
 
@@ -140,7 +141,8 @@ class ReplayOptions:
         None, "how many workers will share the store (default: the launcher's)", only=PLAN, flag="--workers", group="scale", type=int
     )  # fmt: skip
     bandwidth_mb_s: float | None = _option(
-        None, "download MB/s per worker for the time estimate (default 100)", only=PLAN, flag="--bandwidth", group="scale", type=float
+        None, f"download MB/s per worker for the time estimate (default {DEFAULT_BANDWIDTH_MB_S:g})", only=PLAN, flag="--bandwidth",
+        group="scale", type=float,
     )  # fmt: skip
     tflops: float | None = _option(
         None, "probe TFLOP/s for the time estimate (default: cpu 0.2, cuda 50)", only=PLAN, flag="--tflops", group="scale", type=float
@@ -257,7 +259,7 @@ FETCH_FLAGS: tuple[tuple[str, str, dict, str], ...] = (
     ("--cache-root", "cache_root", {}, "where each task downloads into a folder of its own (default: the store's cache/, which a retry "
      "on any node finds and empties; finalize sweeps what is left)"),
     ("--no-prefetch", "prefetch", {"action": "store_false"}, "do not download the next revision while the current one is probed"),
-    ("--retries", "retries", {"type": int}, "retries of a hub call on 5xx / 429 / dropped connections (default 5)"),
+    ("--retries", "retries", {"type": int}, f"retries of a hub call on 5xx / 429 / dropped connections (default {FetchConfig().retries})"),
 )  # fmt: skip
 
 
