@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,12 +197,18 @@ def _slurm_job_of(pid: int) -> str:
     return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}" if e.get("SLURM_ARRAY_JOB_ID") else e["SLURM_JOB_ID"]
 
 
-def cut_limit(slurm):
-    """Once a task hangs in its probe, its time limit is cut to one minute (it was submitted with the docs' 120):
-    Slurm's limit, not the test, then ends it."""
+def cut_limit(slurm, *, left_s: int | None = None):
+    """Once a task hangs in its probe, its time limit is cut (it was submitted with the docs' 120 minutes): to one
+    minute, or to ``left_s`` seconds from now. Slurm's limit, not the test, then ends it."""
 
     def cut(pid: int) -> None:
-        subprocess.run(["scontrol", "update", f"JobId={_slurm_job_of(pid)}", "TimeLimit=1"], env=slurm.env(), check=True, timeout=30)
+        job, limit = _slurm_job_of(pid), "1"
+        if left_s is not None:
+            ran = subprocess.run(["squeue", "-h", "-j", job, "-o", "%M"], env=slurm.env(), capture_output=True, text=True, timeout=30)
+            parts = [int(x) for x in re.split("[-:]", ran.stdout.strip())]  # [[days-]hours:]minutes:seconds
+            elapsed = sum(v * u for v, u in zip(reversed(parts), (1, 60, 3600, 86400)))
+            limit = "{}:{:02d}".format(*divmod(elapsed + left_s, 60))  # minutes:seconds
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], env=slurm.env(), check=True, timeout=30)
 
     return cut
 
@@ -249,7 +256,7 @@ def _logs(d: Path) -> str:
 # ---- submitit on that Slurm ---------------------------------------------------------------------------------------------
 def test_submitit_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_limit(slurm, hub, recipes, tmp_path, monkeypatch):
     """The docs' submitit block as written: task 0 SIGKILLed mid-probe (no result file: only finalize, on afterany,
-    sees it), task 1 hung until its limit — cut to a minute with scontrol; at USR2 submitit raises UncompletedJobError
+    sees it), task 1 hung until its limit — cut with scontrol to 150 s from then; at USR2 submitit raises UncompletedJobError
     in it, which the unit records as a failed row — then the loop's resubmission: converged."""
     try:
         import submitit  # noqa: F401
@@ -268,7 +275,10 @@ def test_submitit_runs_the_docs_block_and_converges_after_a_sigkill_and_a_time_l
         ("time=120", "time=10"),  # submitit calls a USR2 a time-out only past min(80 % of the limit, the limit - 10 min)
         ("timeout=48 * 3600", "timeout=600"),  # the driver's wait for finalize
     )
-    with Watch(store, faults, on_hang=cut_limit(slurm)) as watch:
+    # submitit asks Slurm for USR2 90 s before the limit, and Slurm checks limits and signals about every 30 s: a
+    # limit 150 s away lets USR2 arrive 60-90 s before it, time for the handler's row. A one-minute cut could send
+    # USR2 and the limit's SIGTERM (which submitit ignores) in one check, then SIGKILL after KillWait: the Killed path.
+    with Watch(store, faults, on_hang=cut_limit(slurm, left_s=150)) as watch:
         scope = {"__name__": "__main__"}
         exec(compile(code, "docs/replay.md", "exec"), scope)
     assert scope["attempt"] == 1 and scope["tasks"] == [] and scope["summary"]["done"] == NAMES, (scope["summary"], watch.events)
