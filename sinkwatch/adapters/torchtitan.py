@@ -42,20 +42,25 @@ TESTED_TORCHTITAN = "0.3.0"
 __all__ = ["TESTED_TORCHTITAN", "MetricsLoggerReporter", "SinkWatchOptions", "SinkWatchTrainer", "sinkwatch_config"]
 
 
+_LIVE = {f.name: f.default for f in dataclasses.fields(LiveConfig)}  # the defaults, written once (LiveConfig)
+
+
 @dataclass(kw_only=True, slots=True)
 class SinkWatchOptions:
     """The live options a torchtitan config carries (scalars: they come from the command line too, as
-    ``--sinkwatch.every_n_steps 100``; checked when the config is parsed, not after the Trainer is built)."""
+    ``--sinkwatch.every_n_steps 100``; checked when the config is parsed, not after the Trainer is built).
+    Their meanings and defaults are ``LiveConfig``'s (docs/live.md); torchtitan's parser needs each field
+    declared here, so only the types are written twice."""
 
-    every_n_steps: int | None = 250
-    log_spaced: int | None = None
-    probe_at_start: bool = True
-    probe_at_end: bool = True
-    out_dir: str = "./sinkwatch"
-    natural: bool = True
-    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
-    console: bool = True
-    raise_on_error: bool = False
+    every_n_steps: int | None = _LIVE["every_n_steps"]
+    log_spaced: int | None = _LIVE["log_spaced"]
+    probe_at_start: bool = _LIVE["probe_at_start"]
+    probe_at_end: bool = _LIVE["probe_at_end"]
+    out_dir: str = _LIVE["out_dir"]
+    natural: bool = _LIVE["natural"]
+    wandb: Literal["auto", "online", "offline", "disabled"] = _LIVE["wandb"]
+    console: bool = _LIVE["console"]
+    raise_on_error: bool = _LIVE["raise_on_error"]
 
     def __post_init__(self) -> None:
         self.live_config()  # a ValueError/TypeError naming the option, at parse time
