@@ -21,16 +21,13 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common, when loaded from elsewhere (the tests)
 from common import generated_block  # noqa: E402
 
-from sinkwatch.demo.p0 import KnockoutRun, run_knockout, smollm2_dir  # noqa: E402
+from sinkwatch.demo.p0 import KnockoutRun, run_knockout, smollm2_dir, write_run_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # real_models: where the tests find the GGUF packages
@@ -86,15 +83,8 @@ def run(name: str, setup: Setup, out: Path, *, threads: int, steps: int | None =
     dest = out / name
     label = None if knockout.knockout_mlp is None else f"{setup.model} (knockout: MLP {list(knockout.knockout_mlp)})"
     summary = run_knockout(model_dir(setup.model), dest, knockout, threads=threads, console=True, name=label)
-    info = {
-        "name": name, "model": setup.model, "note": setup.note, **summary,
-        "command": f"python benchmarks/p0_trajectories.py {name} --threads {threads}" + (f" --steps {steps}" if steps else ""),
-        "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-    }  # fmt: skip
-    info["records"], info["events"] = "records.jsonl", "events.jsonl"  # beside run.json
-    (dest / "run.json").write_text(json.dumps(info, indent=1) + "\n")
-    return info
+    command = f"python benchmarks/p0_trajectories.py {name} --threads {threads}" + (f" --steps {steps}" if steps else "")
+    return write_run_json(dest, {"name": name, "model": setup.model, "note": setup.note, **summary}, command=command, load_before=load0)
 
 
 DOC = HERE.parent / "docs" / "stages.md"

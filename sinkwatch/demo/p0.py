@@ -183,12 +183,23 @@ DEMO_STEPS = 80  # the knocked-out SmolLM2 re-establishes its sink on a regrown 
 DEMO_WINDOWS = DEMO_STEPS * KnockoutRun.batch  # one data order for every --steps: a short run is the start of the default one
 
 
+def write_run_json(out, summary: dict, *, command: str | None, load_before: float) -> dict:
+    """``out/run.json``: a knockout run's ``summary`` with the ``command`` that made it and the machine it ran on
+    (cpus, torch, the load before and after: the seconds of a shared machine say little without them); the
+    records and events it names lie beside it."""
+    import json
+
+    info = {**summary, "command": command, "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "records": "records.jsonl", "events": "events.jsonl"}  # fmt: skip
+    (Path(out) / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
 def run_p0_demo(*, out: str = "sinkwatch-demo-p0", model: str | None = None, steps: int = DEMO_STEPS, every: int = 5,
                 threads: int | None = None, wandb: str = "disabled", command: str | None = None) -> dict:  # fmt: skip
     """The demo: SmolLM2-135M (or ``model``) with its amplifier knocked out, regrowing; ends with a report.
-    ``out`` also gets ``run.json``: the set-up, ``command``, seconds, torch threads and the machine's load."""
-    import json
-
+    ``out`` also gets ``run.json`` (``write_run_json``)."""
     from ..report import build_report
     from ..reporters.jsonl import read_jsonl
 
@@ -205,10 +216,6 @@ def run_p0_demo(*, out: str = "sinkwatch-demo-p0", model: str | None = None, ste
     report = build_report([Path(out)])
     records = read_jsonl(Path(out) / "records.jsonl")
     last = records[-1] if records else {}
-    info = {**summary, "seconds": round(time.perf_counter() - t0, 1), "command": command, "load_before": round(load0, 2),
-            "load_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    info["records"], info["events"] = "records.jsonl", "events.jsonl"  # beside run.json
-    (Path(out) / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    info = write_run_json(out, {**summary, "seconds": round(time.perf_counter() - t0, 1)}, command=command, load_before=load0)
     return {**summary, **info, "report": str(report), "events": events, "p0_stage": last.get("p0_stage"), "out": str(out),
             "records": summary["records"]}  # fmt: skip
