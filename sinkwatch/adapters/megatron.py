@@ -50,21 +50,18 @@ def megatron_parallel(model):
     from ..distributed import TensorParallel
 
     pg = getattr(model, "pg_collection", None)
-    pp = getattr(pg, "pp", None)
-    pp_size = dist.get_world_size(pp) if pp is not None else ps.get_pipeline_model_parallel_world_size()
-    if pp_size > 1:
-        raise ValueError(
-            f"sinkwatch cannot probe a Megatron model under pipeline parallelism live (pipeline size {pp_size}): no rank "
-            'holds every layer, and Megatron\'s forward-only schedule needs CUDA (docs/design.md §9, "Pipeline parallelism"). '
-            "Train with tensor and data parallelism only, or probe the checkpoints afterwards"
-        )
-    cp = getattr(pg, "cp", None)
-    cp_size = dist.get_world_size(cp) if cp is not None else ps.get_context_parallel_world_size()
-    if cp_size > 1:
-        raise ValueError(
-            f"sinkwatch cannot probe a Megatron model under context parallelism live (context size {cp_size}): each rank holds "
-            "a slice of the positions, and a head's attention row spans them all. Probe the checkpoints afterwards"
-        )
+    refusals = (  # (the group's name in pg_collection, parallel_state's fallback, what, why and what to do)
+        ("pp", ps.get_pipeline_model_parallel_world_size, "pipeline", "no rank holds every layer, and Megatron's forward-only "
+         'schedule needs CUDA (docs/design.md §9, "Pipeline parallelism"). Train with tensor and data parallelism only, or '
+         "probe the checkpoints afterwards"),
+        ("cp", ps.get_context_parallel_world_size, "context", "each rank holds a slice of the positions, and a head's attention "
+         "row spans them all. Probe the checkpoints afterwards"),
+    )  # fmt: skip
+    for kind, fallback, what, why in refusals:
+        group = getattr(pg, kind, None)
+        size = dist.get_world_size(group) if group is not None else fallback()
+        if size > 1:
+            raise ValueError(f"sinkwatch cannot probe a Megatron model under {what} parallelism live ({what} size {size}): {why}")
     tp = getattr(pg, "tp", None) or ps.get_tensor_model_parallel_group()
     dp_size = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
