@@ -29,8 +29,6 @@ from .store import parse_shard
 
 REPLAY, PLAN, UNIT = "replay", "plan", "unit"  # who reads an option (``only``), and who is given keywords
 WANDB_MODES = ("offline", "online", "disabled")
-
-
 _SAME = object()  # the CLI's default is the field's
 
 
@@ -195,7 +193,7 @@ class ReplayOptions:
             raise TypeError(f"max_memory must be bytes (an int) or a size like '24GiB', got {self.max_memory!r}")
         if self.monitor_config is not None and not isinstance(self.monitor_config, MonitorConfig):
             raise TypeError(f"monitor_config must be a MonitorConfig, got {self.monitor_config!r}")
-        if self.fetch is None:  # fetch=None meant the defaults before ReplayOptions existed
+        if self.fetch is None:  # older callers' fetch=None: the defaults
             self._set("fetch", FetchConfig())
         elif not isinstance(self.fetch, FetchConfig):
             raise TypeError(f"fetch must be a FetchConfig, got {self.fetch!r}")
@@ -213,9 +211,8 @@ class ReplayOptions:
     # ---- who gives them ----------------------------------------------------------------------------------
     @classmethod
     def given(cls, options: ReplayOptions | None, kwargs: dict[str, Any], *, reader: str, what: str) -> ReplayOptions:
-        """``options`` (default: every default) with the keyword options ``kwargs`` laid over it, as ``what``
-        (a function of ``reader``: replay, plan or unit) takes them: an unknown keyword, or one only the
-        other command reads, is a TypeError that names the valid ones."""
+        """``options`` (default: all defaults) with ``kwargs`` laid over it, as ``what`` (a function of ``reader``: replay, plan
+        or unit) takes them; an unknown keyword, or one only the other command reads, is a TypeError naming the valid ones."""
         if options is not None and not isinstance(options, ReplayOptions):
             raise TypeError(f"{what}: options must be a ReplayOptions, got {type(options).__name__}")
         fields = {f.name: f for f in dataclasses.fields(cls)}
