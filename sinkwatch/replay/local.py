@@ -181,14 +181,8 @@ class LocalRun:
         return model.to(parse_dtype(dtype)).to(device or default_device()).eval()
 
 
-def local_run(
-    path: str | os.PathLike,
-    *,
-    names: Sequence[str] | None = None,
-    tokens_per_step: int | None = None,
-    lightning_module: str | None = None,
-    live_store: str | os.PathLike | None = None,
-) -> LocalRun:
+def local_run(path: str | os.PathLike, *, names: Sequence[str] | None = None, tokens_per_step: int | None = None,
+              lightning_module: str | None = None, live_store: str | os.PathLike | None = None) -> LocalRun:  # fmt: skip
     """The revisions of a local run (the module docstring), each with its weights' fingerprint as its commit (a
     rewritten checkpoint is measured again)."""
     root = Path(path)
