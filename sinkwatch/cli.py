@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .probes import PROBE_KINDS
 
@@ -73,6 +75,60 @@ def probe_recipes(args, tokenizer_source: str | None):
     return recipes
 
 
+# ---- sinkwatch replay's options: one flag per field of ReplayOptions, from its metadata --------------------
+# argparse groups a field's ``group`` names; "selection" is the mutually exclusive one, made in build_parser
+GROUPS = {
+    "scale": "a full trajectory (docs/replay.md: a full trajectory on a cluster)",
+    "engines": "engines (docs/replay.md: Slurm arrays, submitit, Ray)",
+}
+# the FetchConfig fields the CLI sets: flag, field, argparse's extras, help
+FETCH_FLAGS: tuple[tuple[str, str, dict, str], ...] = (
+    ("--keep-cache", "keep_cache", {"action": "store_true"},
+     "keep each task's download folder (default: emptied once its records are written)"),
+    ("--cache-root", "cache_root", {}, "where each task downloads into a folder of its own (default: the store's cache/, which a retry "
+     "on any node finds and empties; finalize sweeps what is left)"),
+    ("--no-prefetch", "prefetch", {"action": "store_false"}, "do not download the next revision while the current one is probed"),
+    ("--retries", "retries", {"type": int}, "retries of a hub call on 5xx / 429 / dropped connections (default %(default)s)"),
+)  # fmt: skip
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
+    """``sinkwatch replay``'s option flags, one per CLI field of ``ReplayOptions`` (and ``FETCH_FLAGS``).
+    ``groups``: argparse groups by ``group`` name (``GROUPS``, and ``selection``)."""
+    from .replay.fetch import FetchConfig
+    from .replay.options import _SAME, PLAN, ReplayOptions
+
+    defaults = ReplayOptions()
+    for f in dataclasses.fields(ReplayOptions):
+        meta = f.metadata
+        if meta["flag"] is None:
+            continue
+        cli = dict(meta["cli"])
+        cli["default"] = getattr(defaults, f.name) if meta["cli_default"] is _SAME else meta["cli_default"]
+        help_ = ("with --plan: " if meta["only"] == PLAN else "") + meta["help"]
+        groups.get(meta["group"], parser).add_argument(meta["flag"], dest=f.name, help=help_, **_metavar(meta["flag"], cli))
+    fetch = FetchConfig()
+    for flag, name, cli, help_ in FETCH_FLAGS:
+        groups["scale"].add_argument(flag, dest=f"fetch_{name}", default=getattr(fetch, name), help=help_, **_metavar(flag, cli))
+
+
+def _metavar(flag: str, cli: dict) -> dict:
+    """The flag's name as its metavar (``--out OUT``, not the field's ``OUT_DIR``), for a flag that takes a value."""
+    if "action" in cli or "choices" in cli or "metavar" in cli:
+        return cli
+    return {**cli, "metavar": flag.lstrip("-").upper().replace("-", "_")}
+
+
+def from_args(args: argparse.Namespace, **given: Any):
+    """The ``ReplayOptions`` of a parsed ``sinkwatch replay`` command line; ``given``: what the CLI derives (probes, out_dir, wandb)."""
+    from .replay.fetch import FetchConfig
+    from .replay.options import ReplayOptions
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ReplayOptions) if f.metadata["flag"] is not None}
+    kw["fetch"] = FetchConfig(**{name: getattr(args, f"fetch_{name}") for _, name, _, _ in FETCH_FLAGS})
+    return ReplayOptions(**{**kw, **given})
+
+
 def cmd_probe(args) -> int:
     from .models.gguf import dense_from_gguf, is_gguf
     from .models.loading import load_model
@@ -100,7 +156,6 @@ def cmd_probe(args) -> int:
 
 def cmd_replay(args) -> int:
     from .replay import Recipe, format_plan, is_recipe, load_recipe, read_ablation, replay, replay_plan
-    from .replay.options import from_args
     from .replay.protocol import probes_with_options
     from .reporters.wandb_run import wandb_mode_from_env
 
@@ -254,8 +309,6 @@ def cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .replay.options import GROUPS, add_arguments
-
     parser = argparse.ArgumentParser(prog="sinkwatch", description="Watch attention sinks and induction heads form in a language model.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -295,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         "once, and print its array range (0-153) alone on stdout: the driver's step, before any task starts",
     )
     # every option of a replay (ReplayOptions' fields): one flag each, in its group
-    add_arguments(r, {"selection": r.add_mutually_exclusive_group(), "scale": scale, "engines": eng})
+    add_replay_arguments(r, {"selection": r.add_mutually_exclusive_group(), "scale": scale, "engines": eng})
     eng.add_argument(
         "--task",
         type=int,

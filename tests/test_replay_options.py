@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from sinkwatch.cli import build_parser
+from sinkwatch.cli import FETCH_FLAGS, build_parser, from_args
 from sinkwatch.replay import FetchConfig, ReplayOptions, replay, replay_plan
-from sinkwatch.replay.options import FETCH_FLAGS, PLAN, REPLAY, from_args
+from sinkwatch.replay.options import PLAN, REPLAY
 
 FIELDS = {f.name: f for f in dataclasses.fields(ReplayOptions)}
 # options a Python caller gives as one object; the CLI gives their parts (probe options, FETCH_FLAGS) or none

@@ -3,12 +3,11 @@
     sinkwatch replay pythia-1b                      # a packaged recipe (or recipes/pythia-1b.yaml)
     sinkwatch replay EleutherAI/pythia-410m --log-spaced 8 --out runs/pythia-410m
 
-Each revision is downloaded by the commit its branch resolved to (or read from a local Hugging Face
-cache when ``HF_HUB_OFFLINE=1``), probed with the same ``Monitor`` as a live run, and written as one
-record to ``DIR/records/KEY.json`` (one file per done key, written whole). A record is written only once complete;
-a revision done anywhere in the store is skipped; a revision that fails is recorded with its reason
-and the others go on. The plan is the store's manifest, written once; engines (Slurm arrays, submitit,
-Ray) schedule its tasks, and plain workers share them by a stride and one pass (``run``).
+Each revision is downloaded by the commit its branch resolved to (or read from a local Hugging Face cache when
+``HF_HUB_OFFLINE=1``), probed with the same ``Monitor`` as a live run, and written whole as one record,
+``DIR/records/KEY.json`` (KEY: its done key). A revision done anywhere in the store is skipped; one that fails is recorded
+with its reason and the others go on. The plan is the store's manifest, written once; engines (Slurm arrays, submitit,
+Ray) schedule its tasks, plain workers share them by a stride and one pass (``run``).
 
 One module per idea:
 
@@ -82,60 +81,10 @@ from .store import (
 from .unit import RevisionFailed, failed_tasks, finalize, replay_revision, write_manifest
 from .workers import Worker, detect_worker
 
-__all__ = [
-    "ABLATION_FILE",
-    "MANIFEST_FILE",
-    "Manifest",
-    "RevisionFailed",
-    "PAPER_ABLATION_DTYPE",
-    "PAPER_CONTROL_RULE",
-    "FetchConfig",
-    "Plan",
-    "Recipe",
-    "ReplayOptions",
-    "ReplayStore",
-    "Revision",
-    "StoreMismatchError",
-    "Task",
-    "Worker",
-    "ablation_key",
-    "array_range",
-    "check_ablation",
-    "check_hub",
-    "detect_worker",
-    "done_key",
-    "duplicate_groups",
-    "failed_revisions",
-    "failed_tasks",
-    "finalize",
-    "format_plan",
-    "is_recipe",
-    "key_difference",
-    "key_of",
-    "list_refs",
-    "list_revisions",
-    "load_recipe",
-    "merged_records",
-    "packaged_recipes",
-    "paper_ablation_sets",
-    "parse_revision",
-    "parse_revisions",
-    "parse_shard",
-    "read_ablation",
-    "read_manifest",
-    "record_files",
-    "replay",
-    "replay_key",
-    "replay_plan",
-    "replay_revision",
-    "revision_step",
-    "revision_tokens",
-    "run_ablation",
-    "run_with_limit",
-    "runs_of",
-    "select_log_spaced",
-    "select_revisions",
-    "shard_from_env",
-    "training_order",
-    "write_manifest",
-]
+__all__ = ["ABLATION_FILE", "MANIFEST_FILE", "Manifest", "RevisionFailed", "PAPER_ABLATION_DTYPE", "PAPER_CONTROL_RULE", "FetchConfig",
+    "Plan", "Recipe", "ReplayOptions", "ReplayStore", "Revision", "StoreMismatchError", "Task", "Worker", "ablation_key",
+    "array_range", "check_ablation", "check_hub", "detect_worker", "done_key", "duplicate_groups", "failed_revisions", "failed_tasks",
+    "finalize", "format_plan", "is_recipe", "key_difference", "key_of", "list_refs", "list_revisions", "load_recipe", "merged_records",
+    "packaged_recipes", "paper_ablation_sets", "parse_revision", "parse_revisions", "parse_shard", "read_ablation", "read_manifest",
+    "record_files", "replay", "replay_key", "replay_plan", "replay_revision", "revision_step", "revision_tokens", "run_ablation",
+    "run_with_limit", "runs_of", "select_log_spaced", "select_revisions", "shard_from_env", "training_order", "write_manifest"]  # fmt: skip

@@ -30,8 +30,8 @@ PAPER_CONTROL_RULE = (
 
 
 def ablation_key(key: dict, revision: str, commit: str | None = None) -> dict:
-    """What makes two ablations the same measurement: the store's replay key, the revision and the
-    commit it resolved to (when known: a branch that moved, as OLMoE's ``main`` did, is ablated again)."""
+    """What makes two ablations the same measurement: the store's replay key, the revision and its commit when known
+    (a branch that moved, as OLMoE's ``main`` did, is ablated again)."""
     return {**key, "revision": revision, **({"commit": commit} if commit else {})}
 
 
@@ -63,8 +63,8 @@ def check_ablation(out_dir: str | os.PathLike, wanted: dict) -> None:
 
 
 def paper_ablation_sets(induction: np.ndarray, n_heads: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The >= 50x induction set of a screen ((L, H) selectivities) and the paper's control for it: the
-    fourth draw of the shared-stream sweep, every threshold drawn in the paper's order."""
+    """The >= 50x induction set of a screen ((L, H) selectivities) and the paper's control for it: the fourth draw of
+    the shared-stream sweep, every threshold drawn in the paper's order."""
     t = metrics.INDUCTION_CIRCUIT_MIN_SELECTIVITY
     screens = metrics.screen_sets(induction, metrics.PAPER_SWEEP_THRESHOLDS)
     return screens[t], metrics.paper_control_sets(screens, n_heads)[t]
@@ -78,29 +78,16 @@ def _stored_record(out_dir, revision: str, key: dict) -> dict | None:
     return found[-1] if found else None
 
 
-def run_ablation(
-    monitor: Monitor,
-    recipe: Recipe,
-    revision: str,
-    *,
-    out_dir,
-    key: dict,
-    dtype: str,
-    device=None,
-    cache_dir=None,
-    bar=None,
-    load=None,
-    commit: str | None = None,
-) -> dict:
-    """Group ablation of the >= 50x induction circuit at ``revision``, written to ``DIR/ablation.json``.
+def run_ablation(monitor: Monitor, recipe: Recipe, revision: str, *, out_dir, key: dict, dtype: str, device=None, cache_dir=None,
+                 bar=None, load=None, commit: str | None = None) -> dict:  # fmt: skip
+    """Group ablation of the >= 50x induction circuit at ``revision``, written to ``DIR/ablation.json``; returns it.
 
-    The set comes from that revision's screen — its record in the store, else a probe of that
-    revision made here the same way (its induction selectivities kept in the result). Protocol
-    "paper": the model in float16 and the paper's control (``paper_ablation_sets``); protocol
-    "sinkwatch": the replay's dtype and ``Monitor.ablate``'s own draw. Done already (same key): skipped.
-    A failure is written with its reason and warned about; a rerun retries it. ``commit``: the commit
-    ``revision`` resolved to (recorded; a successful ablation made at another commit — a branch that
-    moved — is kept as ``ablation.<commit>.json``). Returns the result.
+    The set comes from that revision's screen: its record in the store, else a probe made here the same way (its
+    induction selectivities kept in the result). Protocol "paper": float16 and the paper's control
+    (``paper_ablation_sets``); "sinkwatch": the replay's dtype and ``Monitor.ablate``'s own draw. Done already (same
+    key): skipped. A failure is written with its reason and warned about; a rerun retries it. ``commit``: what
+    ``revision`` resolved to (recorded; a successful ablation at another commit, a moved branch, is kept as
+    ``ablation.<commit>.json``).
     """
     if load is None:  # ``load(revision, dtype)``: the replay's loader (a hub revision by its listed commit, a local checkpoint)
 
@@ -128,7 +115,7 @@ def run_ablation(
             model = load(revision, dtype)
             default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if paper and dtype in ("float16", "bfloat16"):
-                model.set_attn_implementation("eager")  # as the per-revision records (see _replay_one)
+                model.set_attn_implementation("eager")  # as the per-revision records (measure.Measurer._probe)
             record = monitor.probe(model, revision=revision, model_name=recipe.model).to_record()
             screen = {"screen": "probed for the ablation", "screen_induction": record["selectivity"]["induction"]}
         induction = np.asarray(record["selectivity"]["induction"], dtype=float)  # (L, H)
@@ -146,26 +133,18 @@ def run_ablation(
         _status(bar, revision, f"ablation of {len(heads)} head(s)")
         scores = monitor.ablate(model, heads, control=control)
         result = {
-            **base,
-            "status": "ok",
-            "ablation_key": wanted,
-            "threshold": metrics.INDUCTION_CIRCUIT_MIN_SELECTIVITY,
+            **base, "status": "ok", "ablation_key": wanted, "threshold": metrics.INDUCTION_CIRCUIT_MIN_SELECTIVITY,
             "control_rule": PAPER_CONTROL_RULE if paper else "RandomState(123) for this set alone; a short layer raises",
-            **screen,
-            **scores,
-            "seconds": time.perf_counter() - t0,
-        }
+            **screen, **scores, "seconds": time.perf_counter() - t0,
+        }  # fmt: skip
         if not heads:
             result["note"] = "no head reaches 50x at this revision: the ablated and baseline scores are the same forward"
     except HubUnreachableError:
         raise
     except Exception as exc:  # noqa: BLE001 - the records are kept; the ablation is retried on a rerun
         result = {**base, "status": "failed", "ablation_key": wanted, "error": f"{type(exc).__name__}: {exc}"}
-        warnings.warn(
-            f"sinkwatch replay: the ablation at {recipe.model}@{revision} failed ({result['error']}); rerun to retry",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        msg = f"sinkwatch replay: the ablation at {recipe.model}@{revision} failed ({result['error']}); rerun to retry"
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
     finally:
         del model
         gc.collect()

@@ -1,23 +1,20 @@
 """One attempt at a task: a download folder and a marker of its own, held while its process lives.
 
-An attempt — an engine's task, or one task of a worker's loop — is named by its task and an id of its
-own (host.pid.random): its folder is ``ROOT/SLUG@ID/`` (ROOT: the store's ``cache/``, or ``--cache-root``)
-and its marker ``DIR/running/SLUG@ID.json`` (task, host, pid, start time, the Slurm job). Any number of
-attempts at one task — a requeue while the first still lives, a resubmission before the array ended,
-Ray's retry, a worker's pass — run side by side: none deletes another's files, and the record's
-exclusive create (``store``) decides which finished result is kept.
+An attempt (an engine's task, or one task of a worker's loop) is named by its task and its own id (host.pid.random):
+its folder is ``ROOT/SLUG@ID/`` (ROOT: the store's ``cache/``, or ``--cache-root``), its marker
+``DIR/running/SLUG@ID.json`` (task, host, pid, start time, the Slurm job). Any number of attempts at one task (a requeue
+while the first lives, a resubmission, Ray's retry, a worker's pass) run side by side: none deletes another's files,
+and the record's exclusive create (``store``) decides which finished result is kept.
 
-The marker is held under an exclusive ``flock`` for as long as its process lives. That is no lease:
-nothing waits on it (every test is ``LOCK_NB``) and nothing is taken from its owner. The kernel
-releases it when the process dies however it dies (SIGKILL: the OOM killer, KillWait after a hang in
-C, Ray's force-cancel), an NFS server once the dead client's lease expires; so a marker whose lock
-can be taken is a dead attempt's. The next attempt at its task removes it and its folder; ``finalize``
-turns it into a failed row when the task has no record, and sweeps every folder no live attempt holds.
-On a file system without ``flock`` a marker of this host lives while its pid does, one of another
-host is taken as alive. With ``--keep-cache`` the folder is the task's own (``ROOT/SLUG/``), shared by
-its attempts and never emptied (huggingface_hub's file locks keep concurrent downloads into it whole).
-Why it is here: no engine knows the store's folders, nor sees a retry beside a requeue; the kernel's
-lock is the one liveness every engine (and none) shares.
+The marker is held under an exclusive ``flock`` while its process lives. No lease: nothing waits on it (``LOCK_NB``)
+and nothing is taken from its owner. The kernel releases it however the process dies (SIGKILL: the OOM killer, KillWait
+after a hang in C, Ray's force-cancel), an NFS server once the dead client's lease expires; so a marker whose lock can
+be taken is a dead attempt's. The next attempt at its task removes it and its folder; ``finalize`` turns it into a
+failed row when the task has no record, and sweeps every folder no live attempt holds. Without ``flock``, a marker of
+this host lives while its pid does, one of another host is taken as alive. With ``--keep-cache`` the folder is the
+task's own (``ROOT/SLUG/``), shared by its attempts, never emptied (huggingface_hub's file locks keep concurrent
+downloads whole). Why here: no engine knows the store's folders or sees a retry beside a requeue; the kernel's lock is
+the one liveness every engine (and none) shares.
 """
 
 from __future__ import annotations

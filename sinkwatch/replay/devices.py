@@ -1,5 +1,5 @@
-"""The device side of one worker's replay: which device it probes on, an out-of-memory probe retried once at
-half ``batch_tokens``, peak memory per revision, and memory given back between revisions."""
+"""The device side of a worker's replay: its device, an out-of-memory probe retried once at half ``batch_tokens``,
+peak memory per revision, memory given back between revisions."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from .workers import Worker
 
 
 def worker_device(device: str | None, worker: Worker) -> str:
-    """The device given, else this worker's GPU (its local rank: torchrun's LOCAL_RANK or Slurm's
-    SLURM_LOCALID), else ``default_device``."""
+    """The device given, else this worker's GPU (by LOCAL_RANK or SLURM_LOCALID), else ``default_device``."""
     if device is not None:
         return device
     dev = default_device()
@@ -33,11 +32,8 @@ def oom_retry(monitors: list[Monitor], fn, used: dict):
         if not is_oom(exc):
             raise
         half = max(1, monitors[0].config.batch_tokens // 2)
-        warnings.warn(
-            f"sinkwatch replay: out of memory at batch_tokens={monitors[0].config.batch_tokens}; retrying at {half}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        msg = f"sinkwatch replay: out of memory at batch_tokens={monitors[0].config.batch_tokens}; retrying at {half}"
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
         empty_device_cache()
         saved = [m.config for m in monitors]
         for m in monitors:

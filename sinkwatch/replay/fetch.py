@@ -1,18 +1,16 @@
 """Fetching revisions from the hub: by commit, into the task's own folder, one ahead, retried.
 
-- **By commit.** A revision is downloaded with ``snapshot_download(revision=COMMIT)``, the commit its
-  branch resolved to when the manifest was written, so a branch that moves mid-run cannot mix two sets
-  of weights. Only one weights format is fetched (safetensors when the revision has it, else ``.bin``):
-  what the plan sizes is what is downloaded.
-- **Into the attempt's own folder** (``Attempt.folder``: a Hugging Face cache of its own, emptied once
-  its records are written, unless ``keep_cache``). Nothing is shared between attempts, so nothing needs
-  a lock or a registry of who uses what. A user's cache
-  (``--cache-dir``; offline, ``HF_HUB_OFFLINE=1``, the only source) is read first and never written:
-  a revision whose files it holds is not downloaded.
-- **One ahead.** ``prefetch`` downloads the next task's revision on one background thread while the
-  current one is probed; the loop waits only for the first.
-- **Retried.** 5xx answers, 429 and dropped or refused connections are retried with exponential
-  backoff and jitter (tenacity); after ``retries`` the revision fails (``FetchError``) and the job goes on.
+- **By commit.** ``snapshot_download(revision=COMMIT)`` at the commit the branch resolved to in the manifest, so a
+  branch moving mid-run cannot mix two sets of weights. One weights format only (safetensors when the revision has
+  it, else ``.bin``): what the plan sizes is what is downloaded.
+- **Into the attempt's own folder** (``Attempt.folder``: a Hugging Face cache of its own, emptied once its records are
+  written unless ``keep_cache``): nothing shared between attempts, so no lock or registry. A user's cache
+  (``--cache-dir``; with ``HF_HUB_OFFLINE=1`` the only source) is read first, never written: what it holds is not
+  downloaded.
+- **One ahead.** ``prefetch`` downloads the next task's revision on a background thread while this one is probed; the
+  loop waits only for the first.
+- **Retried.** 5xx, 429 and dropped or refused connections, with exponential backoff and jitter (tenacity); after
+  ``retries`` the revision fails (``FetchError``) and the job goes on.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ class FetchConfig(RetryPolicy):
 
 # ---- which files ---------------------------------------------------------------------------------------------
 def files_to_fetch(files: list[RemoteFile]) -> list[RemoteFile]:
-    """The files a replay downloads: every non-weights file (config, tokenizer) and one weights
-    format — safetensors when the revision has it (Pythia's branches hold both), else ``.bin``, else all."""
+    """Every non-weights file (config, tokenizer) and one weights format: safetensors when the revision has it (Pythia's
+    branches hold both), else ``.bin``, else all."""
     weights = [f for f in files if f.is_weights]
     for suffix in (".safetensors", ".bin"):
         chosen = [f for f in weights if f.path.endswith(suffix)]
@@ -59,8 +57,8 @@ def files_to_fetch(files: list[RemoteFile]) -> list[RemoteFile]:
 
 # ---- the fetcher -------------------------------------------------------------------------------------------------
 class Fetcher:
-    """Downloads revisions of one model by commit (one at a time in the background), each into the folder
-    its task was given, after looking in the user's read-only cache."""
+    """Downloads one model's revisions by commit (one at a time in the background) into their tasks' folders, after
+    looking in the user's read-only cache."""
 
     def __init__(self, model: str, *, cache_dir=None, config: FetchConfig | None = None, progress: bool = False):
         self.model = model
@@ -106,16 +104,10 @@ class Fetcher:
             if found is not None:
                 return found
             path = call_with_retries(
-                lambda: snapshot_download(
-                    self.model,
-                    revision=rev.commit,
-                    cache_dir=str(folder),
-                    allow_patterns=[f.path for f in chosen],
-                    tqdm_class=None if self.progress else _SilentTqdm,
-                ),
-                self.config,
-                f"download {where}",
-            )
+                lambda: snapshot_download(self.model, revision=rev.commit, cache_dir=str(folder), allow_patterns=[f.path for f in chosen],
+                                          tqdm_class=None if self.progress else _SilentTqdm),
+                self.config, f"download {where}",
+            )  # fmt: skip
             return Path(path)
         except (RevisionNotFoundError, EntryNotFoundError, RepositoryNotFoundError) as exc:
             raise FileNotFoundError(f"{self.model} has no revision {rev.name!r}: {_short(exc)}") from exc

@@ -2,30 +2,23 @@
 
 What a folder may hold (one kind per folder; each child is one revision):
 
-- ``checkpoint-N/`` of the HF Trainer, or ``save_pretrained`` folders with a step in the name
-  (``step100/``, ``model_step_100/``): a ``config.json`` beside the weights;
-- OLMo-core checkpoint folders (``stepN/`` with ``model_and_optim/``), converted to Hugging Face
-  format by OLMo-core's own converter (``save_hf_model``); the model config is the experiment config
-  OLMo-core's ``ConfigSaverCallback`` writes beside each checkpoint (``config.json``, key ``model``),
-  or one in DIR;
-- LitGPT checkpoint folders (``step-NNNNNNNN/`` with ``lit_model.pth`` and ``model_config.yaml``), loaded
-  into litgpt's ``GPT`` (``litgpt_checkpoints``);
-- Lightning ``.ckpt`` files, loaded with ``Class.load_from_checkpoint`` of the LightningModule named
-  by ``--lightning-module pkg.module:Class`` (``last.ckpt`` is a copy and is skipped).
+- HF Trainer ``checkpoint-N/``, or ``save_pretrained`` folders with a step in the name (``step100/``, ``model_step_100/``);
+- OLMo-core ``stepN/`` with ``model_and_optim/``, converted by OLMo-core's ``save_hf_model``; the model config is the
+  experiment config its ``ConfigSaverCallback`` writes beside each checkpoint (``config.json``, key ``model``), or one in DIR;
+- LitGPT ``step-NNNNNNNN/`` (``lit_model.pth``, ``model_config.yaml``), loaded into litgpt's ``GPT`` (``litgpt_checkpoints``);
+- Lightning ``.ckpt`` files, loaded with ``Class.load_from_checkpoint`` of ``--lightning-module pkg.module:Class``
+  (``last.ckpt`` is a copy and is skipped).
 
-Revisions go in step order: the step from the name (``checkpoint-1000``, ``step100``,
-``epoch=0-step=100.ckpt``), else from the trainer's saved state. Tokens seen: ``--tokens-per-step``,
-else what the live callback counted (its state in the checkpoint), else the trainer's own count
+Revisions go in step order: the step from the name (``checkpoint-1000``, ``epoch=0-step=100.ckpt``), else the trainer's
+state. Tokens seen: ``--tokens-per-step``, else the live callback's count (its state in the checkpoint), else the trainer's
 (``num_input_tokens_seen``, OLMo-core's ``global_train_tokens_seen``); step 0 is 0 tokens.
 
-A run that had the sinkwatch callback carries its state in each checkpoint (HF ``trainer_state.json``,
-Lightning's callback states, OLMo-core's ``train/rank0.pt``), or in its live store
-(``probes.json`` beside ``records.jsonl``, for ``--live-store``): the natural windows the callback froze from the
-first training batch and the live probe sets' parameters. Replay rebuilds exactly those probe sets
-(checked against the hashes the live run recorded), so live = replay holds at the callbacks' defaults.
+A run with the sinkwatch callback carries its state in each checkpoint (HF ``trainer_state.json``, Lightning's callback
+states, OLMo-core's ``train/rank0.pt``) or in its live store (``probes.json``, for ``--live-store``): the natural windows
+frozen from the first training batch and the live probe sets' parameters. Replay rebuilds exactly those probe sets
+(checked against the live run's hashes), so live = replay holds at the callbacks' defaults.
 
-A folder that is itself one checkpoint is one revision; ``--revisions`` on it is refused (every name
-would measure the same weights).
+A folder that is itself one checkpoint is one revision; ``--revisions`` on it is refused (every name is the same weights).
 """
 
 from __future__ import annotations
@@ -59,8 +52,8 @@ def is_local(target: str) -> bool:
 
 
 def local_step(name: str) -> int | None:
-    """The step in a local checkpoint's name: a published scheme (``checkpoint-1000``), else ``step``,
-    ``iter``, ``checkpoint`` or ``ckpt`` followed by digits anywhere in it (``epoch=0-step=100.ckpt``)."""
+    """The step in a checkpoint's name: a published scheme (``checkpoint-1000``), else ``step``, ``iter``, ``checkpoint``
+    or ``ckpt`` followed by digits anywhere in it (``epoch=0-step=100.ckpt``)."""
     for _, scheme in SCHEMES:
         m = scheme.fullmatch(name)
         if m and m.groupdict().get("step") is not None:
@@ -141,8 +134,8 @@ class LocalRun:
         return self.root.name
 
     def live_probes(self) -> list[ProbeSet] | None:
-        """The live callback's probe sets, rebuilt from its state (None: the run had no callback, or its
-        state predates the saved parameters: then replay uses the recipe's or the options' probes)."""
+        """The live callback's probe sets, rebuilt from its state; None (no callback, or a state without the saved
+        parameters): replay uses the recipe's or the options' probes."""
         state = self.live_state
         if state is None or not state.get("probe_params"):
             return None
@@ -156,16 +149,9 @@ class LocalRun:
                         "yourself: --probe induction,repeated,natural --text FILE"
                     )
                 sets.append(self.natural)
-            elif kind == "induction":
-                sets.append(
-                    make_induction_probe(params["n"], params["seq_len"], vocab_range=tuple(params["vocab_range"]), seed=params["seed"])
-                )
-            elif kind == "repeated":
-                sets.append(
-                    make_repeated_random_probe(
-                        params["n"], params["half_len"], vocab_range=tuple(params["vocab_range"]), seed=params["seed"]
-                    )
-                )
+            elif kind in ("induction", "repeated"):
+                make, length = (make_induction_probe, "seq_len") if kind == "induction" else (make_repeated_random_probe, "half_len")
+                sets.append(make(params["n"], params[length], vocab_range=tuple(params["vocab_range"]), seed=params["seed"]))
         got = {s.kind: s.hash for s in sets}
         if state.get("probe_hashes") and got != state["probe_hashes"]:
             raise ValueError(
@@ -195,16 +181,10 @@ class LocalRun:
         return model.to(parse_dtype(dtype)).to(device or default_device()).eval()
 
 
-def local_run(
-    path: str | os.PathLike,
-    *,
-    names: Sequence[str] | None = None,
-    tokens_per_step: int | None = None,
-    lightning_module: str | None = None,
-    live_store: str | os.PathLike | None = None,
-) -> LocalRun:
-    """The revisions of a local run (see the module docstring), each with its weights' fingerprint as
-    its commit (a rewritten checkpoint is measured again)."""
+def local_run(path: str | os.PathLike, *, names: Sequence[str] | None = None, tokens_per_step: int | None = None,
+              lightning_module: str | None = None, live_store: str | os.PathLike | None = None) -> LocalRun:  # fmt: skip
+    """The revisions of a local run (the module docstring), each with its weights' fingerprint as its commit (a
+    rewritten checkpoint is measured again)."""
     root = Path(path)
     own = kind_of(root)
     children = {}
@@ -221,11 +201,7 @@ def local_run(
         kind, paths, single = next(iter(children)), next(iter(children.values())), False
     elif own is not None:
         if names:
-            raise ValueError(
-                f"--revisions on {root}, which is one checkpoint ({own}): every name would measure the same weights under "
-                f"another label. Replay the folder that holds the checkpoints (checkpoint-N/, stepN/, *.ckpt) or probe this "
-                f"one once with `sinkwatch probe {root}`"
-            )
+            raise _one_checkpoint(root, own)
         kind, paths, single = own, [root], True
     else:
         raise FileNotFoundError(
@@ -303,8 +279,8 @@ def _natural_of(state: dict) -> ProbeSet | None:
 
 # ---- OLMo-core and Lightning --------------------------------------------------------------------------------
 def convert_olmo_core(checkpoint: Path, out: Path, *, config_dirs: Sequence[Path]) -> Path:
-    """An OLMo-core checkpoint written as a Hugging Face model by OLMo-core's own converter
-    (``load_model_and_optim_state`` into the model the experiment config builds, then ``save_hf_model``)."""
+    """An OLMo-core checkpoint as a Hugging Face model, by OLMo-core's own converter (``load_model_and_optim_state``
+    into the model the experiment config builds, then ``save_hf_model``)."""
     try:
         from olmo_core.distributed.checkpoint import load_model_and_optim_state
         from olmo_core.nn.hf.checkpoint import save_hf_model
@@ -355,15 +331,19 @@ def check_local_names(run: LocalRun | None, names: Sequence[str] | None) -> None
     if run is None or names is None:
         return
     if run.single:
-        raise ValueError(
-            f"--revisions on {run.root}, which is one checkpoint ({run.kind}): every name would measure the same weights under "
-            f"another label. Replay the folder that holds the checkpoints (checkpoint-N/, stepN/, *.ckpt) or probe this "
-            f"one once with `sinkwatch probe {run.root}`"
-        )
+        raise _one_checkpoint(run.root, run.kind)
     have = {r.name for r in run.revisions}
     missing = [n for n in names if n not in have]
     if missing:
         raise FileNotFoundError(f"{run.root} has no checkpoint {missing}; it has {sorted(have)}")
+
+
+def _one_checkpoint(root: Path, kind: str) -> ValueError:
+    return ValueError(
+        f"--revisions on {root}, which is one checkpoint ({kind}): every name would measure the same weights under "
+        f"another label. Replay the folder that holds the checkpoints (checkpoint-N/, stepN/, *.ckpt) or probe this "
+        f"one once with `sinkwatch probe {root}`"
+    )
 
 
 def describe(run: LocalRun) -> str:

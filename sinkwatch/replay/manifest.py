@@ -1,16 +1,12 @@
 """The manifest: the plan of a replay, written once (``DIR/manifest.json``).
 
-The driver writes it (``sinkwatch replay MODEL --out DIR --manifest-only``, ``write_manifest``, or the
-first run into an empty ``--out``): the model's refs and the commit each resolved to, every listed
-revision of the whole run with its weights (the hub's file metadata, or a local checkpoint hashed
-through the store's hash cache), and the ordered list of tasks, each a name and its members (the
-revisions it measures: those with identical weights are one task, measured once). It never changes
-under a running job: units address tasks by name (an array index maps into this written list), and
-nothing rewrites it but an explicit ``--rewrite-manifest`` (``rewrite=True``), which keeps every
-existing task under its name and index, appends the new ones, and refuses while a task is running.
-
-Readers — the per-task unit, the workers, finalize — ask the hub nothing: a worker start with a
-manifest makes no hub request at all.
+The driver writes it (``--manifest-only``, ``write_manifest``, or the first run into an empty ``--out``): the model's
+refs and their commits, every listed revision of the whole run with its weights (the hub's file metadata, or a local
+checkpoint hashed through the store's hash cache), and the ordered tasks, each a name and its members (revisions with
+identical weights are one task, measured once). It never changes under a running job: units address tasks by name (an
+array index maps into this list), and only ``--rewrite-manifest`` (``rewrite=True``) rewrites it, keeping every task's
+name and index, appending new ones, refused while a task runs. Its readers (the unit, the workers, finalize) ask the
+hub nothing.
 """
 
 from __future__ import annotations
@@ -174,9 +170,9 @@ def array_range(indices) -> str:
 
 
 def group_tasks(names: Sequence[str], weights: dict[str, Weights], existing: Sequence[Task], entries: dict | None = None) -> list[Task]:
-    """The tasks for ``names`` (training order): ``existing`` tasks first, unchanged but for members whose
-    weights are no longer the task's (a moved branch), then the new revisions and those, each joining the
-    task whose first member has identical weights or starting a task named by itself."""
+    """The tasks for ``names`` (training order): ``existing`` tasks first, less members whose weights are no longer the
+    task's (a moved branch), then those and the new revisions, each joining the task whose first member has identical
+    weights or starting one named by itself."""
     fp = {n: w.fingerprint for n, w in weights.items()}
     tasks = [Task(t.name, [m for m in t.members if m == t.members[0] or (fp.get(m) is not None and fp.get(m) == fp.get(t.members[0]))])
              for t in existing]  # fmt: skip
@@ -281,26 +277,13 @@ def _describe(sel: dict) -> str:
 
 
 # ---- resolving it ------------------------------------------------------------------------------------------
-def resolve(
-    recipe: Recipe,
-    names: Sequence[str] | None,
-    *,
-    key: dict,
-    out_dir,
-    mode: str,
-    log_spaced: int | None,
-    cache_dir: str | None,
-    tokens_per_step: int | None,
-    local_source: RevisionSource | None = None,
-    rewrite: bool = False,
-    skip_duplicates: bool = False,
-    running=(),
-    policy=None,
-) -> tuple[Manifest, list[Task]]:
-    """The manifest and the tasks this call works on. ``mode``: ``require`` (read it: the unit, finalize),
-    ``use`` (a worker or the driver: read it — the tasks holding ``names``, or all its tasks when this
-    selection wrote it — or write it when there is none), ``peek`` (``--plan``: write nothing). ``rewrite``:
-    update it (new revisions appended, moved commits fingerprinted), refused while ``running`` names tasks."""
+def resolve(recipe: Recipe, names: Sequence[str] | None, *, key: dict, out_dir, mode: str, log_spaced: int | None, cache_dir: str | None,
+            tokens_per_step: int | None, local_source: RevisionSource | None = None, rewrite: bool = False,
+            skip_duplicates: bool = False, running=(), policy=None) -> tuple[Manifest, list[Task]]:  # fmt: skip
+    """The manifest and the tasks this call works on. ``mode``: ``require`` (read it: the unit, finalize), ``use`` (a
+    worker or the driver: read it, its tasks holding ``names`` or all when this selection wrote it; written when there
+    is none), ``peek`` (``--plan``: write nothing). ``rewrite``: update it (new revisions appended, moved commits
+    fingerprinted), refused while ``running`` names tasks."""
     out = Path(out_dir) if out_dir is not None else None
     if mode == "require":
         m = require_manifest(out, recipe.model, key)
@@ -347,8 +330,8 @@ def resolve(
 
 
 def _chosen(m: Manifest, names: Sequence[str] | None, sel: dict) -> list[Task] | None:
-    """The tasks a run of ``sel`` works on: all of them when ``sel`` wrote the manifest, those holding ``names``
-    when every name is planned; None when the manifest does not plan this selection."""
+    """The tasks a run of ``sel`` works on: all when ``sel`` wrote the manifest, those holding ``names`` when every name is
+    planned; None when the manifest does not plan this selection."""
     if sel in m.selections:
         return list(m.task_list) if names is None else _holding(m, names)
     if names is not None and set(names) <= {n for t in m.task_list for n in t.members}:

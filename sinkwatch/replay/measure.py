@@ -1,16 +1,14 @@
-"""Measuring one task (docs/design.md §8), as the workers' loop (``run``) and the engines' unit (``unit``) both do:
+"""Measuring one task (docs/design.md §8), for the workers' loop (``run``) and the engines' unit (``unit``):
 
-1. ``begin``: the task's attempt starts (``attempts``: a folder and a held marker of its own, beside any
-   other attempt at that task); any listed ref whose weights the manifest could not read is asked about
-   again, a member flagged when that finds a duplicate, marked unverified when it cannot;
-2. ``place``: from the revision's config alone — its device, a split over GPUs, or refused (not downloaded);
-3. ``fetch``: downloaded by commit into the task's folder on one background thread (``fetch.Fetcher``;
-   the loop starts the next task's download while this one is probed);
-4. ``measure``: loaded straight onto its device(s), probed with the live ``Monitor`` (an out-of-memory
-   probe is retried once at half ``batch_tokens``), the paper protocol's float16 PR pass after the
-   float32 model is freed, stages derived over the store in step order;
-5. ``write``: one complete record per member not yet recorded (ok or failed; a second finished result
-   for a key already recorded is dropped), then the attempt ends: its folder emptied, its marker gone.
+1. ``begin``: the task's attempt starts (``attempts``: its own folder and held marker, beside any other attempt at that
+   task); a listed ref whose weights the manifest could not read is asked again: a member is flagged when that finds a
+   duplicate, marked unverified when it cannot;
+2. ``place``: from the revision's config alone: its device, a split over GPUs, or refused (not downloaded);
+3. ``fetch``: by commit into the task's folder on a background thread (``fetch.Fetcher``), the next task's while this one is probed;
+4. ``measure``: loaded onto its device(s), probed with the live ``Monitor`` (an out-of-memory probe retried once at half
+   ``batch_tokens``), the paper protocol's float16 PR pass after the float32 model is freed, stages derived in step order;
+5. ``write``: one record per member not yet recorded (ok or failed; a second finished result for a recorded key is
+   dropped), then the attempt ends: its folder emptied, its marker gone.
 
 The group ablation, once its revision is recorded, is measured here too.
 """
@@ -66,9 +64,8 @@ class Job:
 
 
 class Measurer:
-    """One worker's means to measure tasks into the store ``out_dir``: its store, fetcher, monitors,
-    reporter and progress bar. ``run._Loop`` feeds a stride of the manifest's tasks through it;
-    ``unit._UnitLoop`` one task."""
+    """One worker's store, fetcher, monitors, reporter and progress bar for measuring tasks into ``out_dir``;
+    ``run._Loop`` feeds it a stride of the manifest's tasks, ``unit._UnitLoop`` one task."""
 
     def __init__(self, s: ReplaySetup, *, out_dir, device, cache_dir, wandb, progress, fetch: FetchConfig, max_memory):
         self.s = s
@@ -104,8 +101,7 @@ class Measurer:
 
     # ---- an attempt -----------------------------------------------------------------------------------
     def _start(self, task: Task) -> Job | None:
-        """Begin an attempt at ``task`` (None: every member it must record is recorded), decide where its
-        revision goes (from its config alone), then start its download."""
+        """Begin an attempt at ``task`` (None: all its members are recorded), place its revision, start its download."""
         todo = [r for r in self.s.needed(task) if not self.store.is_done(self.key(r))]
         if not todo:
             return None
@@ -138,11 +134,9 @@ class Measurer:
         return job
 
     def _verify(self, job: Job) -> None:
-        """What the manifest could not say of any listed ref's weights — a member's, or those of ``main``, a tag or
-        an unplanned step a member could be a copy of — asked again before a record is written: a member is then
-        checked for duplicates over the whole listing (under --skip-duplicates a flagged one is recorded as skipped,
-        not measured); one whose own weights, or a possible original's, are still unknown is measured and drawn,
-        marked unverified (``weights_unverified`` names what could not be read)."""
+        """Ask again for the weights the manifest could not read (a member's, or of ``main``, a tag or an unplanned step a
+        member could copy), then flag duplicates over the whole listing (--skip-duplicates: recorded as skipped, not
+        measured); a member whose weights, or a possible original's, stay unknown is measured, marked ``weights_unverified``."""
         s = self.s
         changed = [r.name for r in job.todo if r.name in s.changed]
         if changed:
@@ -204,8 +198,7 @@ class Measurer:
         return place(self._shapes[text], self.s.dtype, budgets, batch_tokens=self.monitor.config.batch_tokens, seq_len=seq)
 
     def _about(self, rev: Revision) -> dict:
-        """What a row says it measured, ok or failed: the commit, the weights' fingerprint, a duplicate
-        flag, the versions (``provenance``), the protocol label and what changed it, this worker."""
+        """What a row (ok or failed) says it measured: commit, fingerprint, duplicate flag, versions, protocol label, worker."""
         s = self.s
         out = {
             **provenance(rev, s.source.weights.get(rev.name), s.flags.get(rev.name)),
@@ -230,8 +223,8 @@ class Measurer:
         return won
 
     def _measure(self, job: Job, path: Path | None) -> list[dict]:
-        """Measure the task's revision once (or take an earlier attempt's record of identical weights) and
-        write a row for every member it records; returns the rows written."""
+        """Measure the task's revision once (or reuse an earlier attempt's record of identical weights); write and
+        return a row for every member it records."""
         recipe = self.s.recipe
         rows: list[dict] = []
         if not job.todo:
@@ -266,9 +259,9 @@ class Measurer:
         _status(self.bar, rev, stage)
 
     def write_failed(self, job: Job, error: str, *, limit: bool = False) -> list[dict]:
-        """Failed rows for the members of ``job`` not recorded (an attempt that failed or was interrupted). ``limit``: an
-        engine's limit ended it (SIGTERM, submitit's time-out, Ray's cancel): the row says after how long, in which stage,
-        and how many attempts in a row a limit ended (``limit``; ``failed_tasks`` stops listing it at two)."""
+        """Failed rows for the unrecorded members of ``job``. ``limit``: an engine's limit ended it (SIGTERM, submitit's
+        time-out, Ray's cancel): ``row["limit"]`` says after how long, in which stage, and how many attempts in a row
+        (``failed_tasks`` stops listing it at two)."""
         rows = []
         for m in job.todo:
             if m.name in job.written or self.store.is_done(self.key(m)):
@@ -292,8 +285,7 @@ class Measurer:
             self.reporter = None
 
     def _end(self, job: Job) -> None:
-        """The attempt is over: its folder emptied (the ablation revision's stays until the ablation ran),
-        its marker gone, the device cache emptied."""
+        """End the attempt: folder emptied (the ablation revision's kept until the ablation ran), marker gone, device cache emptied."""
         if self.s.ablation == job.rev.name and job.path is not None and job.error is None and not self.fetch_config.keep_cache:
             self._kept = (job.rev, job.path, job.attempt)  # its attempt lives on (its folder held) until the ablation ran
         else:
@@ -302,8 +294,8 @@ class Measurer:
         empty_device_cache()
 
     def abandon(self, exc: BaseException, *, every: bool = False) -> None:
-        """Interrupted (SIGTERM, a KeyboardInterrupt from Ray's cancel, an exception): the attempts in flight
-        end; the one being measured (``every``: each) writes its failed rows, saying why."""
+        """Interrupted (SIGTERM, Ray's cancel as KeyboardInterrupt, an exception): end the attempts in flight; the one
+        being measured (``every``: each) writes its failed rows, saying why."""
         why = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, KeyboardInterrupt):
             why = "KeyboardInterrupt: interrupted (Ctrl-C, or Ray's cancel of a task past its time limit)"
@@ -329,16 +321,13 @@ class Measurer:
         try:
             default = loaded_attention(model)  # sdpa, or eager for a class without sdpa (gpt-oss, Gemma 2)
             if self.s.protocol == "paper" and dtype in ("float16", "bfloat16"):
-                # the paper's attention weights came from eager half-precision attention (output_attentions):
-                # every layer's input must come from the same forward for its numbers to carry over
+                # the paper's attention weights came from eager half-precision attention (output_attentions)
                 model.set_attn_implementation("eager")
             self._at(rev.name, "probe")
             used: dict = {}
             snap = oom_retry(
                 [self.monitor],
-                lambda: self.monitor.probe(
-                    model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=recipe.model
-                ),
+                lambda: self.monitor.probe(model, step=rev.step, tokens=rev.tokens, revision=rev.name, model_name=recipe.model),
                 used,
             )
             record = snap.to_record()  # with the device it ran on (Monitor.probe)
@@ -354,8 +343,7 @@ class Measurer:
                 values = oom_retry([self.pr_monitor], lambda: self.pr_monitor.probe(model).values, used)
                 record.update({"pr": np.asarray(values["pr"]).tolist(), "pr_sequences": values["pr_sequences"], "pr_dtype": "float16"})
         except Terminated:
-            # the process is leaving (a time limit): its failed row comes first, before SIGKILL follows
-            # (KillWait); a gc pass here took 0.4 s idle and seconds under load
+            # leaving (a time limit): its failed row before SIGKILL (KillWait), no gc pass (0.4 s idle, seconds under load)
             leaving = True
             raise
         finally:
@@ -363,17 +351,8 @@ class Measurer:
             if not leaving:
                 release_memory()
         record.update(self._about(rev))
-        record.update(
-            {
-                "status": "ok",
-                "dtype": dtype,
-                "replay_key": self.s.key,
-                "stage_config": self.monitor.config.stages.to_dict(),
-                "load_seconds": load_s,
-                "revision_seconds": time.perf_counter() - t0,
-                **used,
-            }
-        )
+        record.update({"status": "ok", "dtype": dtype, "replay_key": self.s.key, "stage_config": self.monitor.config.stages.to_dict(),
+                       "load_seconds": load_s, "revision_seconds": time.perf_counter() - t0, **used})  # fmt: skip
         if placement is not None and placement.split:
             record["device_map"] = sorted(set(placement.device_map.values()))
         if gpus:
@@ -383,17 +362,15 @@ class Measurer:
         return record
 
     def _load(self, rev: Revision, path: Path | None, dtype: str, placement: Placement | None):
-        """A local revision (a user's checkpoint: HF, OLMo-core, Lightning) through its source's loader;
-        a hub one from the folder the fetcher downloaded by commit, straight onto its device(s)."""
+        """A local revision through its source's loader (HF, OLMo-core, LitGPT, Lightning); a hub one from its fetched folder."""
         if rev.path is not None:
             return self.s.source.load(rev, dtype=dtype, device=self.device)
         device_map = placement.device_map if placement is not None else {"": self.device}
         return load_model(str(path), dtype=dtype, device_map=device_map)
 
     def _tracker_before(self, rev: Revision) -> StageTracker:
-        """A tracker that has seen every stored revision (any worker's) before ``rev`` in its lineage —
-        its run, and for a parallel run the main run before it — in training order: the order
-        ``merged_records`` (the report) derives the stages in. Flagged duplicates are no trajectory points."""
+        """A tracker fed every stored revision (any worker's) before ``rev`` in its lineage (its run, and a parallel run's
+        main run before it), in training order as ``merged_records`` (the report) derives stages. Duplicates are skipped."""
         latest = {r["revision"]: r for r in self.store.ok_records(self.s.key) if r["revision"] != rev.name}
         here = {"revision": rev.name, "step": rev.step, "run": rev.run, "stage": rev.stage, "_this": True}
         points = [r for r in latest.values() if not r.get("duplicate_of")] + [here]

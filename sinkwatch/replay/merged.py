@@ -16,17 +16,14 @@ from .store import stage_config_of, stored_records
 
 
 def merged_records(store_dir: str | os.PathLike) -> list[dict]:
-    """All successful records of a store (every worker's file), one per revision (the latest written),
-    in training order, with ``p0_stage``/``induction_state`` derived over that whole sequence with the
-    StageConfig the replay used — the same derivation replay applies when it writes each record — per
-    run: a parallel run (an OLMo-2 ingredient) over the main run before it, then its own records.
-    Revisions flagged as duplicates by the store's manifest (``duplicate_groups``) are no trajectory
-    points: they are left out (the report lists them)."""
+    """A store's successful records, one per revision (the latest written), in training order, with ``p0_stage`` and
+    ``induction_state`` derived over the sequence with the replay's StageConfig, as replay derives them per record:
+    per run, a parallel run (an OLMo-2 ingredient) over the main run before it, then its own. Revisions the manifest
+    flags as duplicates (``duplicate_groups``) are no trajectory points: left out (the report lists them)."""
     d = Path(store_dir)
     latest = {r["revision"]: r for r in stored_records(d)}
     if not latest:
-        # a live run's store: records keyed by step
-        rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]
+        rows = [r for r in read_jsonl(d / "records.jsonl") if "n_layers" in r]  # a live run's store: records keyed by step
         return sorted(rows, key=lambda r: (r.get("step") is None, r.get("step") or 0))
     flagged = duplicate_groups(d, list(latest.values()))
     records = training_order([r for r in latest.values() if r["revision"] not in flagged])
@@ -40,11 +37,10 @@ def merged_records(store_dir: str | os.PathLike) -> list[dict]:
 
 
 def duplicate_groups(store_dir: str | os.PathLike, records: Sequence[dict] | None = None) -> dict[str, dict]:
-    """revision -> ``{"duplicate_of", "duplicate_group", "duplicate_kind"}`` for every flagged revision of a
-    store: the groups of its manifest over the whole listing (with the weights tasks learned after it was
-    written: a record's ``weight_files``), whatever each record was stamped with when it was written; a
-    store without a manifest (written before one, or a live store), or a record whose group holds a ref the manifest
-    could not read, keeps its record's stamp."""
+    """revision -> ``{"duplicate_of", "duplicate_group", "duplicate_kind"}`` of every flagged revision: the manifest's
+    groups over the whole listing (with weights tasks learned later: records' ``weight_files``), whatever a record was
+    stamped with. A store without a manifest (older, or a live store), or a record whose group holds a ref the
+    manifest could not read, keeps the record's stamp."""
     records = stored_records(store_dir) if records is None else records
     latest = {r["revision"]: r for r in records if r.get("revision") is not None}
     m = read_manifest(store_dir) if (Path(store_dir) / "manifest.json").is_file() else None

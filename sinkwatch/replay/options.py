@@ -1,18 +1,14 @@
-"""Every option of a replay, declared once: ``ReplayOptions`` (name, type, default, one-line help, who reads it).
+"""Every option of a replay, declared once: ``ReplayOptions`` (name, type, default, one-line help, who reads it, CLI flag).
 
-``sinkwatch replay`` (and ``--plan``), ``replay``, ``replay_plan``, ``prepare_replay`` and the engines'
-unit (``replay_revision``, ``write_manifest``, ``failed_tasks``, ``finalize``) all take this one object;
-the CLI's arguments are generated from its fields (``add_arguments``), so a new option is one new field.
-Validation happens here, once, in ``__post_init__``: a bad value fails before the hub is asked anything.
+``sinkwatch replay`` (and ``--plan``), ``replay``, ``replay_plan``, ``prepare_replay`` and the engines' unit (``replay_revision``,
+``write_manifest``, ``failed_tasks``, ``finalize``) all take this one object; ``sinkwatch.cli`` generates the CLI's flags from
+its fields, so a new option is one new field. ``__post_init__`` validates, once: a bad value fails before the hub is asked.
 
-One dataclass, not a subclass per command: ``sinkwatch replay --plan`` is ``sinkwatch replay`` with one
-more flag, and a plan says what replay *with the same options* would do, so one object must be able to
-drive both. Which entry point reads a field is its metadata's ``only``: ``replay`` (wandb, progress,
-ablate: the plan measures nothing) or ``plan`` (workers, bandwidth_mb_s, tflops: estimates only); None
-for both. A keyword given to an entry point that does not read it is refused with who reads it
-(``replay(workers=4)`` would otherwise look like it starts four workers); an ``options=`` object is taken
-whole by either. The engines' unit reads replay's options; the selection (revisions, log_spaced,
-all_revisions, shard) is the manifest's there, so a task ignores it.
+One dataclass, not one per command: a plan says what replay *with the same options* would do. A field's ``only`` says who
+reads it: ``replay`` (wandb, progress, ablate: the plan measures nothing), ``plan`` (workers, bandwidth_mb_s, tflops:
+estimates only), None: both. A keyword given to an entry point that does not read it is refused, naming its reader
+(``replay(workers=4)`` would look like four workers); an ``options=`` object is taken whole by either. The engines' unit
+reads replay's options but not the selection (revisions, log_spaced, all_revisions, shard): that is the manifest's.
 """
 
 from __future__ import annotations
@@ -33,20 +29,13 @@ from .store import parse_shard
 
 REPLAY, PLAN, UNIT = "replay", "plan", "unit"  # who reads an option (``only``), and who is given keywords
 WANDB_MODES = ("offline", "online", "disabled")
-# argparse groups of ``sinkwatch replay`` an option may sit in (``group``); "selection" is mutually exclusive
-GROUPS = {
-    "scale": "a full trajectory (docs/replay.md: a full trajectory on a cluster)",
-    "engines": "engines (docs/replay.md: Slurm arrays, submitit, Ray)",
-}
-
-
 _SAME = object()  # the CLI's default is the field's
 
 
 def _option(default: Any = None, help: str = "", *, only: str | None = None, flag: str | None = None, group: str | None = None,
             factory=None, cli_default: Any = _SAME, **cli: Any):  # fmt: skip
-    """A field of ``ReplayOptions``: its help, who reads it, and its CLI flag (None: Python only) with argparse's extras;
-    ``cli_default``: the CLI's own default where it differs (the CLI then derives the value)."""
+    """A field of ``ReplayOptions``: its help, who reads it, its CLI flag (None: Python only), argparse group (``sinkwatch.cli.GROUPS``;
+    "selection": mutually exclusive) and extras; ``cli_default``: the CLI's own default where it differs (the CLI derives the value)."""
     meta = {"help": help, "only": only, "flag": flag, "group": group, "cli": cli, "cli_default": cli_default}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -204,7 +193,7 @@ class ReplayOptions:
             raise TypeError(f"max_memory must be bytes (an int) or a size like '24GiB', got {self.max_memory!r}")
         if self.monitor_config is not None and not isinstance(self.monitor_config, MonitorConfig):
             raise TypeError(f"monitor_config must be a MonitorConfig, got {self.monitor_config!r}")
-        if self.fetch is None:  # fetch=None meant the defaults before ReplayOptions existed
+        if self.fetch is None:  # older callers' fetch=None: the defaults
             self._set("fetch", FetchConfig())
         elif not isinstance(self.fetch, FetchConfig):
             raise TypeError(f"fetch must be a FetchConfig, got {self.fetch!r}")
@@ -222,9 +211,8 @@ class ReplayOptions:
     # ---- who gives them ----------------------------------------------------------------------------------
     @classmethod
     def given(cls, options: ReplayOptions | None, kwargs: dict[str, Any], *, reader: str, what: str) -> ReplayOptions:
-        """``options`` (default: every default) with the keyword options ``kwargs`` laid over it, as ``what``
-        (a function of ``reader``: replay, plan or unit) takes them: an unknown keyword, or one only the
-        other command reads, is a TypeError that names the valid ones."""
+        """``options`` (default: all defaults) with ``kwargs`` laid over it, as ``what`` (a function of ``reader``: replay, plan
+        or unit) takes them; an unknown keyword, or one only the other command reads, is a TypeError naming the valid ones."""
         if options is not None and not isinstance(options, ReplayOptions):
             raise TypeError(f"{what}: options must be a ReplayOptions, got {type(options).__name__}")
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -251,47 +239,4 @@ def _pair(shard) -> tuple[int, int]:
     raise TypeError(f"shard must be (K, N) or 'K/N', got {shard!r}")
 
 
-# ---- the CLI ------------------------------------------------------------------------------------------
-# the FetchConfig fields the CLI sets: flag, field, argparse's extras, help
-FETCH_FLAGS: tuple[tuple[str, str, dict, str], ...] = (
-    ("--keep-cache", "keep_cache", {"action": "store_true"},
-     "keep each task's download folder (default: emptied once its records are written)"),
-    ("--cache-root", "cache_root", {}, "where each task downloads into a folder of its own (default: the store's cache/, which a retry "
-     "on any node finds and empties; finalize sweeps what is left)"),
-    ("--no-prefetch", "prefetch", {"action": "store_false"}, "do not download the next revision while the current one is probed"),
-    ("--retries", "retries", {"type": int}, f"retries of a hub call on 5xx / 429 / dropped connections (default {FetchConfig().retries})"),
-)  # fmt: skip
-
-
-def add_arguments(parser: argparse.ArgumentParser, groups: dict[str, Any]) -> None:
-    """``sinkwatch replay``'s option flags, one per CLI field of ``ReplayOptions`` (and ``FETCH_FLAGS``).
-    ``groups``: argparse groups by ``group`` name (``GROUPS``; ``selection``: the mutually exclusive one)."""
-    defaults = ReplayOptions()
-    for f in dataclasses.fields(ReplayOptions):
-        meta = f.metadata
-        if meta["flag"] is None:
-            continue
-        cli = dict(meta["cli"])
-        cli["default"] = getattr(defaults, f.name) if meta["cli_default"] is _SAME else meta["cli_default"]
-        help_ = ("with --plan: " if meta["only"] == PLAN else "") + meta["help"]
-        groups.get(meta["group"], parser).add_argument(meta["flag"], dest=f.name, help=help_, **_metavar(meta["flag"], cli))
-    fetch = FetchConfig()
-    for flag, name, cli, help_ in FETCH_FLAGS:
-        groups["scale"].add_argument(flag, dest=f"fetch_{name}", default=getattr(fetch, name), help=help_, **_metavar(flag, cli))
-
-
-def _metavar(flag: str, cli: dict) -> dict:
-    """The flag's name as its metavar (``--out OUT``, not the field's ``OUT_DIR``), for a flag that takes a value."""
-    if "action" in cli or "choices" in cli or "metavar" in cli:
-        return cli
-    return {**cli, "metavar": flag.lstrip("-").upper().replace("-", "_")}
-
-
-def from_args(args: argparse.Namespace, **given: Any) -> ReplayOptions:
-    """The options of a parsed ``sinkwatch replay`` command line; ``given``: what the CLI derives (probes, out_dir, wandb)."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ReplayOptions) if f.metadata["flag"] is not None}
-    kw["fetch"] = FetchConfig(**{name: getattr(args, f"fetch_{name}") for _, name, _, _ in FETCH_FLAGS})
-    return ReplayOptions(**{**kw, **given})
-
-
-__all__ = ["FETCH_FLAGS", "GROUPS", "PLAN", "REPLAY", "UNIT", "ReplayOptions", "add_arguments", "from_args"]
+__all__ = ["PLAN", "REPLAY", "UNIT", "ReplayOptions"]

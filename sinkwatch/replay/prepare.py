@@ -1,7 +1,6 @@
-"""What a replay measures, resolved once before anything is fetched (docs/design.md §8): the recipe, the manifest
-(the plan: tasks, commits, weights, duplicate groups over the whole run), the tasks this call works on,
-the protocol label, the probe sets, the dtype and the replay key — shared by the workers' loop (``run``),
-the plan, and the engines' unit and finalize (``unit``)."""
+"""What a replay measures, resolved once before anything is fetched (docs/design.md §8): the recipe, the manifest, the
+tasks this call works on, the protocol label, probe sets, dtype and replay key; for the workers' loop (``run``), the
+plan, and the engines' unit and finalize (``unit``)."""
 
 from __future__ import annotations
 
@@ -56,10 +55,9 @@ class ReplaySetup:
 
 
 def prepare_replay(model, options: ReplayOptions, *, manifest: str = "use", running=()) -> ReplaySetup:
-    """What to replay and how (``options``). ``manifest`` (``manifest.resolve``): ``use`` (a worker or the driver: the
-    store's manifest, written when there is none), ``require`` (the unit, finalize: read it, ask the hub
-    nothing, the selection options unread), ``peek`` (the plan: write nothing). ``options.rewrite_manifest``:
-    update the plan (refused while ``running`` names tasks)."""
+    """What to replay and how. ``manifest`` (``manifest.resolve``): ``use`` (a worker or the driver: written when there is
+    none), ``require`` (the unit, finalize: read it, ask the hub nothing, the selection options unread), ``peek`` (the
+    plan: write nothing). ``options.rewrite_manifest``: update the plan (refused while ``running`` names tasks)."""
     o = options
     out_dir = o.out_dir
     recipe = model if isinstance(model, Recipe) else Recipe(model=model)
@@ -80,9 +78,8 @@ def prepare_replay(model, options: ReplayOptions, *, manifest: str = "use", runn
         local = local_source(recipe, out_dir=out_dir, tokens_per_step=tps, lightning_module=o.lightning_module, live_store=o.live_store,
                              write=manifest != "peek")  # fmt: skip
     elif o.lightning_module or o.live_store:
-        raise ValueError(
-            f"--lightning-module and --live-store are for a local folder of checkpoints; {recipe.model} is no path on this machine"
-        )
+        raise ValueError(f"--lightning-module and --live-store are for a local folder of checkpoints; {recipe.model} is no path on "
+                         "this machine")  # fmt: skip
     if o.probes is not None:
         probe_list = list(o.probes)
     else:  # a live run's own probe sets (its store's probes.json), else the recipe's
@@ -117,9 +114,8 @@ def prepare_replay(model, options: ReplayOptions, *, manifest: str = "use", runn
             warnings.warn(
                 f"sinkwatch replay: {', '.join(sorted(changed))} changed on disk since {out_dir}/manifest.json was written: the plan "
                 "still holds the weights it fingerprinted then. Write it again with --rewrite-manifest to measure the new ones",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
     cfg = o.monitor_config or MonitorConfig(batch_tokens=o.batch_tokens or recipe.batch_tokens)  # batch_tokens: memory only
     cfg = dataclasses.replace(cfg, protocol=label.computation)
     return ReplaySetup(recipe, m, tasks, key, cfg, label.computation, probe_list, dtype, None, source, label, flags,
@@ -127,8 +123,8 @@ def prepare_replay(model, options: ReplayOptions, *, manifest: str = "use", runn
 
 
 def ablation_at(s: ReplaySetup, o: ReplayOptions) -> str | None:
-    """Where the group ablation runs (``o.ablation_revision``, else the recipe's, else the last revision), or None
-    when it does not: ``o.ablate``, by default on under protocol paper when the recipe names an ablation revision."""
+    """Where the group ablation runs (``o.ablation_revision``, else the recipe's, else the last revision); None when
+    ``o.ablate`` is off (default: on under protocol paper when the recipe names an ablation revision)."""
     at = o.ablation_revision or s.recipe.ablation_revision
     ablate = o.ablate if o.ablate is not None else (s.protocol == "paper" and at is not None)
     return (at or s.revisions[-1].name) if ablate else None

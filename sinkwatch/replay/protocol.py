@@ -1,14 +1,12 @@
 """The protocol label a replay's records carry: ``paper``, ``sinkwatch`` or ``custom``.
 
-``paper`` and ``sinkwatch`` name the precision choices the numbers were computed with (docs/design.md §8). A
-recipe file also fixes what is measured — its probes and dtype. An option that changes those
-(``--probe``, ``--n``, ``--seq-len``, ``--vocab-range``, ``--text``, ``--dtype``) makes the records
-``protocol: custom``, with ``protocol_base`` (the precision choices used) and ``protocol_changes``
-(each change, ``induction probe n: 2000 -> 500``); under an explicit ``--protocol paper`` such an
-option is refused, since the label would promise the paper's measurement. Options that only change
-memory or speed (``--batch-tokens``, ``--device``, ``--shard``) change nothing here. A replay of a
-hub id or a local folder without a recipe file has no recipe to depart from: the options given are
-its measurement, labelled by its protocol.
+``paper`` and ``sinkwatch`` name the precision choices the numbers were computed with (docs/design.md §8). A recipe
+file also fixes what is measured, its probes and dtype: an option that changes those (``--probe``, ``--n``,
+``--seq-len``, ``--vocab-range``, ``--text``, ``--dtype``) makes the records ``protocol: custom``, with
+``protocol_base`` (the precision choices used) and ``protocol_changes`` (``induction probe n: 2000 -> 500``), and is
+refused under an explicit ``--protocol paper`` (the label would promise the paper's measurement). Memory or speed
+options (``--batch-tokens``, ``--device``, ``--shard``) change nothing here. A hub id or a local folder without a
+recipe file has no recipe to depart from: the options given are its measurement, labelled by its protocol.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ class ProtocolLabel:
 
 
 def resolve_protocol(recipe: Recipe, *, probes: Sequence | None, dtype: str | None, protocol: str | None) -> ProtocolLabel:
-    """The label for a replay of ``recipe`` with these options (None: the recipe's). Raises ValueError
-    for an explicit ``protocol="paper"`` with options that change what the recipe measures."""
+    """The label for a replay of ``recipe`` with these options (None: the recipe's); a ValueError for an explicit
+    ``protocol="paper"`` with options that change what the recipe measures."""
     computation = protocol or recipe.protocol
     if recipe.source is None:
         return ProtocolLabel(computation, computation)
@@ -56,21 +54,13 @@ def resolve_protocol(recipe: Recipe, *, probes: Sequence | None, dtype: str | No
     return ProtocolLabel(computation, CUSTOM, tuple(changes))
 
 
-def probes_with_options(
-    recipe: Recipe,
-    kinds: Sequence[str] | None,
-    *,
-    n: int | None = None,
-    seq_len: int | None = None,
-    vocab_range: Sequence[int] | None = None,
-    text: str | None = None,
-    bos: bool | None = None,
-) -> list | None:
-    """The recipe's probes with the command line's probe options laid over them (None: no option given,
-    the recipe's own). A kind the recipe has keeps its parameters where no option is given (``--probe
-    induction,repeated`` adds the repeated probe; the induction probe stays the recipe's 2000 x 256);
-    a kind it lacks starts from that probe's defaults. ``bos``: ``--bos/--no-bos`` for natural windows
-    (None: the tokenizer's convention)."""
+def probes_with_options(recipe: Recipe, kinds: Sequence[str] | None, *, n: int | None = None, seq_len: int | None = None,
+                        vocab_range: Sequence[int] | None = None, text: str | None = None,
+                        bos: bool | None = None) -> list | None:  # fmt: skip
+    """The recipe's probes with the command line's probe options laid over them (None: no option given, the recipe's
+    own). A kind the recipe has keeps its parameters where no option is given (``--probe induction,repeated`` adds the
+    repeated probe; the induction probe stays the recipe's 2000 x 256); a kind it lacks starts from that probe's
+    defaults. ``bos``: ``--bos/--no-bos`` for natural windows (None: the tokenizer's convention)."""
     if kinds is None and n is None and seq_len is None and vocab_range is None and text is None and bos is None:
         return None
     specs = {}

@@ -1,19 +1,16 @@
-"""What each replay record measured (docs/design.md §8, §10): the commit its branch resolved to, a fingerprint of
-the weights, the versions and the device — and the revisions whose weights are not their own.
+"""What each replay record measured (docs/design.md §8, §10): the commit its branch resolved to, a fingerprint of the
+weights, the versions and the device; and the revisions whose weights are not their own.
 
-- **Fingerprint.** sha256 over the sorted (path, sha256) of a revision's weight files. On the hub the
-  sha256 of every weight file is in its file metadata (LFS), known before any download
-  (``hub.remote_files``); in a local Hugging Face cache a snapshot's file links to ``blobs/<sha256>``
-  (the hub's ETag of an LFS file), else the file is hashed; a user's checkpoint folder is hashed.
-- **Wrong branches** (EleutherAI/pythia#205: step branches serving the final weights; #206: two
-  branches whose first shard is the final one). Revisions and refs that share any weight file form a
-  group (connected through shared files), over the whole listing. A step branch in a group is flagged
-  — ``duplicate_of``, a warning, a row in the report, left out of the trajectory and the stages —
-  unless it is its run's final step: the weights ``main`` or a later step serve are the final step's,
-  so the final step keeps them and every other step serving them is the wrong branch. Two final steps
-  in one group (two parallel runs ending on the same weights) are both flagged. Expected aliases are
-  no points: a name without a step (``main``, a tag) and a later stage's step 0 (OLMo-3's
-  ``stage2-ingredient1-step0`` is stage 1's last weights).
+- **Fingerprint.** sha256 over the sorted (path, sha256) of a revision's weight files. On the hub every weight file's
+  sha256 is in its LFS metadata, known before any download (``hub.remote_files``); in a local Hugging Face cache a
+  snapshot file links to ``blobs/<sha256>`` (the hub's ETag), else it is hashed; a user's checkpoint folder is hashed.
+- **Wrong branches** (EleutherAI/pythia#205: step branches serving the final weights; #206: two branches whose first
+  shard is the final one). Revisions and refs connected through shared weight files form a group, over the whole
+  listing. A step branch in a group is flagged (``duplicate_of``, a warning, a row in the report, left out of the
+  trajectory and the stages) unless it is its run's final step, which keeps the weights ``main`` or a later step serve.
+  Two final steps in one group (parallel runs ending on the same weights) are both flagged. Expected aliases are no
+  points: a name without a step (``main``, a tag) and a later stage's step 0 (OLMo-3's ``stage2-ingredient1-step0`` is
+  stage 1's last weights).
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ class Weights:
 
 
 class HashCache:
-    """sha256 of local files keyed by (real path, size, mtime, inode): a checkpoint is read once, and
-    again only when any of those changes (rewritten in place, replaced, touched). Kept in a JSON file
-    (the store's ``hashes.json``), written whole by rename."""
+    """sha256 of local files keyed by (real path, size, mtime, inode): a checkpoint is read again only when one changes.
+    Kept in the store's ``hashes.json``, written whole by rename."""
 
     def __init__(self, path: Path | None, write: bool = True):
         self.path, self.write = path, write
@@ -95,9 +91,8 @@ def hash_cache(path: str | os.PathLike | None, *, write: bool = True) -> Iterato
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """The content sha256 of a file; for a hub-cache snapshot link into ``blobs/<sha256>`` its target's
-    name (the hub's ETag of an LFS file is its content sha256), read without hashing gigabytes again;
-    inside ``hash_cache``, a file already hashed with the same (path, size, mtime, inode) is not read."""
+    """The content sha256 of a file: a hub-cache link into ``blobs/<sha256>`` by its target's name (the LFS ETag), without
+    reading it; inside ``hash_cache``, a file with a known (path, size, mtime, inode) is not read either."""
     p = Path(path)
     if p.is_symlink():
         target = p.resolve().name
@@ -151,19 +146,11 @@ def weights_from_cache(model: str, commit: str, cache_dir: str | None) -> Weight
     return weights_of_files(snapshot)
 
 
-def fingerprints(
-    model: str,
-    revs: Sequence[Revision],
-    *,
-    cache_dir: str | None = None,
-    offline: bool | None = None,
-    errors: dict | None = None,
-    policy=None,
-) -> dict[str, Weights]:
-    """name -> Weights for every revision whose weights can be read without downloading them: a local
-    revision's files, the hub's metadata (online) or the local cache (``HF_HUB_OFFLINE=1``). A revision
-    whose metadata cannot be read gets no entry (one warning; ``errors``, when given, gets name -> why):
-    it is never called a duplicate on a guess, and every task asks again before it records."""
+def fingerprints(model: str, revs: Sequence[Revision], *, cache_dir: str | None = None, offline: bool | None = None,
+                 errors: dict | None = None, policy=None) -> dict[str, Weights]:  # fmt: skip
+    """name -> Weights of every revision readable without a download: a local revision's files, the hub's metadata, or the
+    local cache (``HF_HUB_OFFLINE=1``). An unreadable one gets no entry (one warning; ``errors`` gets name -> why): never
+    called a duplicate on a guess, and every task asks again before it records."""
     from ..models.loading import hub_offline
 
     offline = hub_offline() if offline is None else offline
@@ -180,10 +167,8 @@ def fingerprints(
         warnings.warn(
             f"sinkwatch replay: no weights fingerprint for {', '.join(f'{n} ({e})' for n, e in missing.items())}; each task asks "
             "again before it records (a step could be a copy of any of them); a record that could be a copy of one still unknown "
-            "is drawn marked unverified",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            "is drawn marked unverified", RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
     return out
 
 
@@ -232,9 +217,8 @@ def could_be_a_copy(rev: Revision, listing: Sequence[Revision]) -> bool:
 
 
 def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], aliases: Sequence[Revision] = ()) -> dict[str, DuplicateGroup]:
-    """name -> its group, for every revision of ``revs`` that is flagged (see the module doc). ``revs``: the
-    whole listing (each run's final step is read from it); ``aliases``: other refs (``main``, tags) whose
-    weights connect a group without being measured."""
+    """name -> its group, for every flagged revision (the module doc). ``revs``: the whole listing (each run's final step
+    is read from it); ``aliases``: refs (``main``, tags) whose weights connect a group without being measured."""
     nodes = {r.name: r for r in [*aliases, *revs] if r.name in weights}
     parent = {n: n for n in nodes}
 
@@ -276,12 +260,8 @@ def find_duplicates(revs: Sequence[Revision], weights: dict[str, Weights], alias
         shared = sorted({p for m in members for p, sha in weights[m].files.items() if counts[sha] > 1})
         others = [m for m in members if not _is_point(nodes[m])]  # main, tags, a later stage's step 0
         anchor = "main" if "main" in members else keeper or (others[0] if others else flagged[0])
-        group = DuplicateGroup(
-            members=tuple(members),
-            duplicate_of=anchor,
-            identical=len({weights[m].fingerprint for m in members}) == 1,
-            shared_files=tuple(shared),
-        )
+        identical = len({weights[m].fingerprint for m in members}) == 1
+        group = DuplicateGroup(members=tuple(members), duplicate_of=anchor, identical=identical, shared_files=tuple(shared))
         for m in flagged:
             out[m] = group
     return out
@@ -293,10 +273,8 @@ def warn_duplicates(model: str, flags: dict[str, DuplicateGroup]) -> None:
             f"sinkwatch replay: {model}: {group.describe()} — {', '.join(n for n, g in flags.items() if g is group)} flagged "
             f"(duplicate_of={group.duplicate_of}) and left out of the trajectory and the stages: a published branch whose "
             "weights are not its own (see EleutherAI/pythia#205, #206). Their records are kept and listed in the report; "
-            "--skip-duplicates does not measure them",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            "--skip-duplicates does not measure them", RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
 
 
 # ---- what a record says about itself ------------------------------------------------------------------
@@ -323,8 +301,8 @@ def provenance(rev: Revision, weights: Weights | None, group: DuplicateGroup | N
 
 # ---- reading a store back ----------------------------------------------------------------------------
 def moved_branches(records: Sequence[dict]) -> dict[str, list[str]]:
-    """revision -> the commits its records were measured at, in the order written, for revisions
-    measured at more than one commit (a branch that moved: the latest record is the one drawn)."""
+    """revision -> its records' commits in write order, for revisions measured at several commits (a moved branch: the
+    latest record is drawn)."""
     seen: dict[str, list[str]] = {}
     for r in records:
         c = r.get("commit")

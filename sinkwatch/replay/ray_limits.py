@@ -1,12 +1,11 @@
-"""A time limit for Ray tasks, which Ray does not have (no per-task timeout: only ``ray.wait``/``ray.get``
-take one): the driver waits with ``ray.wait`` and a timeout, and cancels a task past its limit.
+"""A time limit for Ray tasks, which Ray lacks (only ``ray.wait``/``ray.get`` take a timeout): the driver waits with
+``ray.wait`` and a timeout, and cancels a task past its limit.
 
-``ray.cancel(ref)`` raises KeyboardInterrupt in the task's Python: the replay unit writes its failed
-rows and ends its attempt. A task stuck in C (a CUDA hang) never sees it: ``grace_s`` later it is
-cancelled with ``force=True``, which kills its worker process — no row; ``finalize`` records it as
-killed. Every task's deadlines are kept side by side, so one task's grace never delays another's.
-Ray retries neither (cancelled tasks are never retried): resubmit what ``failed_tasks`` lists.
-A task's time counts from its submission, so at most ``slots`` run at once (submitted as others end).
+``ray.cancel(ref)`` raises KeyboardInterrupt in the task's Python: the replay unit writes its failed rows and ends its
+attempt. A task stuck in C (a CUDA hang) never sees it: ``grace_s`` later ``force=True`` kills its worker process, with
+no row (``finalize`` records it as killed). Each task's deadlines are its own: one task's grace never delays another's.
+Ray never retries a cancelled task: resubmit what ``failed_tasks`` lists. A task's time counts from its submission, so
+at most ``slots`` run at once (submitted as others end).
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from collections.abc import Sequence
 
 
 def run_with_limit(remote, calls: Sequence[tuple], *, limit_s: float, grace_s: float = 60.0, slots: int | None = None, **kwargs) -> list:
-    """``remote.remote(*call, **kwargs)`` for each of ``calls``, at most ``slots`` at a time (default: the
-    cluster's GPUs, else its CPUs), each cancelled once it has run ``limit_s`` seconds, force-cancelled
-    ``grace_s`` later, and given up on (``TimeoutError``) ``grace_s`` after that. Returns each call's
-    result, or the exception it ended with (``RevisionFailed``, ``TaskCancelledError``...), in order."""
+    """``remote.remote(*call, **kwargs)`` for each of ``calls``, at most ``slots`` at a time (default: the cluster's
+    GPUs, else CPUs), each cancelled after ``limit_s`` seconds, force-cancelled ``grace_s`` later, given up on
+    (``TimeoutError``) ``grace_s`` after that. Returns each call's result or exception (``RevisionFailed``,
+    ``TaskCancelledError``...), in order."""
     import ray
 
     if not limit_s > 0 or not grace_s > 0:

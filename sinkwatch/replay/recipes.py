@@ -1,8 +1,7 @@
 """Replay recipes: what to replay (a hub model, its revisions, dtype, probes, protocol), packaged or from YAML.
 
-A recipe is found by path (``recipes/x.yaml``), by name in the directory ``SINKWATCH_RECIPES`` names
-(a team's own recipes; they take precedence over packaged ones of the same name), or by name among
-the packaged ones (``pythia-1b``)."""
+A recipe is found by path (``recipes/x.yaml``), by name in the ``SINKWATCH_RECIPES`` directory (a team's own, taking
+precedence over packaged ones of the same name), or by packaged name (``pythia-1b``)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class Recipe:
     ablation_revision: str | None = None  # where the paper ran its group ablation (Pythia step143000, OLMo/OLMoE main)
     # a regex for revision names no built-in scheme reads (named groups step, tokens, stage, run), tried first
     revision_pattern: str | None = None
-    # the file this recipe was loaded from (not a YAML key): options that change what it measures
-    # make the records protocol "custom" (or are refused under --protocol paper)
+    # the file it was loaded from (no YAML key): options that change what it measures make the records protocol "custom"
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,11 +91,8 @@ def load_recipe(spec: str) -> Recipe:
         text, source = resources.files("sinkwatch.recipes").joinpath(f"{spec}.yaml").read_text(), spec
     else:
         where = os.environ.get(RECIPES_ENV)
-        hint = (
-            f" ({RECIPES_ENV}={where} is not a directory)"
-            if where and not Path(where).is_dir()
-            else f" (or set {RECIPES_ENV} to a directory of NAME.yaml files)"
-        )
+        bad = where and not Path(where).is_dir()
+        hint = f" ({RECIPES_ENV}={where} is not a directory)" if bad else f" (or set {RECIPES_ENV} to a directory of NAME.yaml files)"
         raise FileNotFoundError(f"no recipe {spec!r}: give a .yaml path or one of {packaged_recipes()}{hint}")
     data = yaml.safe_load(text) or {}
     if "revisions" in data and data["revisions"] is not None:

@@ -1,5 +1,5 @@
-"""Revisions of a run: their names (steps, tokens, stages, parallel runs), training order, log-spaced
-selection, and listing from the hub or a local cache with the commit each name resolved to.
+"""Revisions of a run: their names (steps, tokens, stages, parallel runs), training order, log-spaced selection, and
+listing from the hub or a local cache with the commit each name resolved to.
 
 Naming schemes in use (each a full match of the name; ``revision_pattern`` of a recipe is tried first):
 
@@ -12,12 +12,10 @@ Naming schemes in use (each a full match of the name; ``revision_pattern`` of a 
 ``checkpoint-1000``                           the HF Trainer's ``output_dir``
 ==========================================  ==============================================================
 
-A name without a step (``main``, a tag) is no point of a trajectory: listing leaves it out, and a
-replay takes it only when it is named. Tokens seen come from the name (``tokens23B``, ``-2BT``), else
-step x tokens_per_step. A later stage's names count tokens (and steps) from the start of that stage
-(OLMo-2: ``stage2-…-tokens5B`` is 5B tokens after stage 1's last revision), so its tokens are that
-stage's own plus the largest token count of the stage before it among the names listed together;
-without that stage in the listing they are unknown (None), never drawn as if training started there.
+A name without a step (``main``, a tag) is no trajectory point: listing leaves it out; a replay takes it only when named.
+Tokens seen come from the name (``tokens23B``, ``-2BT``), else step x tokens_per_step. A later stage counts from its own
+start (OLMo-2: ``stage2-…-tokens5B`` is 5B tokens after stage 1's end), so its tokens add the largest count of the stage
+before it among the names listed together; without that stage they are None, never drawn as if training started there.
 """
 
 from __future__ import annotations
@@ -52,25 +50,17 @@ PATTERN_GROUPS = ("step", "tokens", "stage", "run")
 
 @dataclass(frozen=True)
 class Revision:
-    """One point of a trajectory, as the replay loop sees it (the seam between listing and fetching).
+    """One point of a trajectory, as the replay loop sees it (the seam between listing and fetching)."""
 
-    ``name``: the branch, tag or folder name as the run published it; ``step``/``tokens``: where in
-    training (None when the name does not say); ``run``: which trajectory it belongs to when a model
-    publishes parallel ones (OLMo-2's stage-2 ingredients), None for the main one; ``commit``: the
-    commit a hub branch resolved to when listed (weights are fetched by it, so a branch that moves
-    mid-run cannot mix); for a local revision, the fingerprint of its weight files (a rewritten
-    checkpoint is then measured again); ``path``: a local folder or file holding the weights (a
-    user's own run), in which case nothing is downloaded; ``stage``: the training stage its name
-    gives (OLMo-2's ``stage2-…``), None when the name has none.
-    """
-
-    name: str
-    step: int | None = None
+    name: str  # the branch, tag or folder name as the run published it
+    step: int | None = None  # where in training; None when the name does not say
     tokens: int | None = None
-    run: str | None = None
+    run: str | None = None  # a parallel trajectory (OLMo-2's stage-2 ingredients); None: the main one
+    # a hub branch's commit when listed (fetched by it: a branch moving mid-run cannot mix); a local revision's weights
+    # fingerprint (a rewritten checkpoint is measured again)
     commit: str | None = None
-    path: str | None = None
-    stage: int | None = None
+    path: str | None = None  # a local folder or file of weights (a user's own run): nothing is downloaded
+    stage: int | None = None  # the training stage its name gives (OLMo-2's ``stage2-…``)
 
 
 R = TypeVar("R", str, Revision, dict)
@@ -78,8 +68,7 @@ R = TypeVar("R", str, Revision, dict)
 
 # ---- names ----------------------------------------------------------------------------------------------
 def compile_pattern(pattern: str | re.Pattern | None) -> re.Pattern | None:
-    """A recipe's ``revision_pattern``, checked: a valid regex with at least the named group ``step``
-    (and no named group other than step, tokens, stage, run)."""
+    """A recipe's ``revision_pattern``, checked: a regex with the named group ``step`` (others: tokens, stage, run)."""
     if pattern is None or isinstance(pattern, re.Pattern):
         return pattern
     try:
@@ -121,8 +110,7 @@ def _match(name: str, pattern: re.Pattern | None) -> re.Match | None:
 def parse_revision(
     name: str, *, pattern: str | re.Pattern | None = None, tokens_per_step: int | None = None, commit: str | None = None
 ) -> Revision:
-    """Step, tokens, stage and run of one name (no other names known: a later stage's tokens are its own
-    count; ``parse_revisions`` adds the stages before it)."""
+    """Step, tokens, stage and run of one name (a later stage's tokens its own; ``parse_revisions`` adds the stages before)."""
     m = _match(name, compile_pattern(pattern))
     if m is None:
         return Revision(name, commit=commit)
@@ -138,13 +126,8 @@ def parse_revision(
     return Revision(name, step=step, tokens=tokens, run=run, commit=commit, stage=stage)
 
 
-def parse_revisions(
-    names: Iterable[str],
-    *,
-    pattern: str | re.Pattern | None = None,
-    tokens_per_step: int | None = None,
-    commits: dict[str, str | None] | None = None,
-) -> list[Revision]:
+def parse_revisions(names: Iterable[str], *, pattern: str | re.Pattern | None = None, tokens_per_step: int | None = None,
+                    commits: dict[str, str | None] | None = None) -> list[Revision]:  # fmt: skip
     """Every name parsed, a later stage's tokens continued from the stage before it, in training order."""
     pattern = compile_pattern(pattern)
     commits = commits or {}
@@ -180,15 +163,13 @@ def as_revision(item: str | Revision | dict, pattern: str | re.Pattern | None = 
 
 
 def order_key(item: str | Revision | dict, pattern: str | re.Pattern | None = None) -> tuple:
-    """Training order: revisions with a step first, by stage, then run (the main run before parallel
-    ones), then step; names without a step last."""
+    """Training order: revisions with a step by stage, run (the main run first), step; names without a step last."""
     r = as_revision(item, pattern)
     return (r.step is None, r.stage or 0, r.run or "", r.step or 0)
 
 
 def training_order(items: Sequence[R], pattern: str | re.Pattern | None = None) -> list[R]:
-    """Names, Revisions or records sorted into training order (stable; names without a step go last,
-    in their given order)."""
+    """Names, Revisions or records in training order (stable: names without a step last, in their given order)."""
     pattern = compile_pattern(pattern)
     return sorted(items, key=lambda x: order_key(x, pattern))
 
@@ -213,8 +194,8 @@ def runs_of(items: Sequence[R], pattern: str | re.Pattern | None = None) -> dict
 
 
 def lineage(items: Sequence[R], run: str | None, pattern: str | re.Pattern | None = None) -> list[R]:
-    """What a run's stages are derived over, in training order: the main run's points for the main run;
-    for a parallel run (an OLMo-2 ingredient), the main run's points before it, then its own."""
+    """What a run's stages are derived over, in training order: the main run's points; for a parallel run (an OLMo-2
+    ingredient), the main run's points before it, then its own."""
     groups = runs_of(items, pattern)
     main = groups.get(None, [])
     if run is None:
@@ -227,9 +208,8 @@ def lineage(items: Sequence[R], run: str | None, pattern: str | re.Pattern | Non
 
 
 def select_log_spaced(items: Sequence[R], count: int, pattern: str | re.Pattern | None = None) -> list[R]:
-    """``count`` revisions of each run whose steps are closest to log-spaced targets (first and last
-    kept; each target takes the nearest revision not taken yet, so exactly ``count`` when there are as
-    many). Names without a step are never picked."""
+    """``count`` revisions of each run, closest to log-spaced steps (first and last kept; each target takes the nearest
+    revision not yet taken: exactly ``count`` when there are as many). Names without a step are never picked."""
     picked: list[R] = []
     for members in runs_of(items, pattern).values():
         if len(members) <= count:
@@ -259,9 +239,8 @@ def is_commit_id(name: str) -> bool:
 
 # ---- listing ------------------------------------------------------------------------------------------
 def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
-    """Every branch and tag of a hub model with the commit it points at (``list_repo_refs``'
-    ``target_commit``). Offline (``HF_HUB_OFFLINE=1``), the refs of the local cache (``refs/<name>``
-    files holding the commit id)."""
+    """Every branch and tag of a hub model -> its commit (``list_repo_refs``' ``target_commit``); offline
+    (``HF_HUB_OFFLINE=1``), the local cache's ``refs/<name>`` files."""
     import huggingface_hub
 
     if not hub_offline():
@@ -280,16 +259,10 @@ def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
     return {str(p.relative_to(refs_dir)): p.read_text().strip() for p in sorted(refs_dir.rglob("*")) if p.is_file()}
 
 
-def list_revisions(
-    model: str,
-    *,
-    cache_dir: str | None = None,
-    pattern: str | re.Pattern | None = None,
-    tokens_per_step: int | None = None,
-    stepless: bool = False,
-) -> list[Revision]:
-    """The revisions of a hub model (``huggingface_hub.list_repo_refs``; names are never computed),
-    each with its commit, in training order. Names without a step (``main``, tags) only with ``stepless``."""
+def list_revisions(model: str, *, cache_dir: str | None = None, pattern: str | re.Pattern | None = None,
+                   tokens_per_step: int | None = None, stepless: bool = False) -> list[Revision]:  # fmt: skip
+    """The revisions of a hub model (its listed refs; names are never computed), each with its commit, in training
+    order. Names without a step (``main``, tags) only with ``stepless``."""
     refs = list_refs(model, cache_dir=cache_dir)
     revs = parse_revisions(refs, pattern=pattern, tokens_per_step=tokens_per_step, commits=refs)
     return revs if stepless else [r for r in revs if r.step is not None]
@@ -304,23 +277,17 @@ class RevisionSelection:
     aliases: list[Revision]  # refs without a step that were not named (main, tags): names a duplicate may be known by
 
 
-def select_revisions(
-    listing: Mapping[str, str | None] | Sequence[Revision],
-    names: Sequence[str] | None = None,
-    *,
-    pattern: str | re.Pattern | None = None,
-    tokens_per_step: int | None = None,
-    log_spaced: int | None = None,
-) -> RevisionSelection:
-    """The revision-selection rule of a replay: the ``names`` asked for (a recipe's, ``--revisions``) or every
-    listed revision with a step, then ``log_spaced`` of them (per run), in training order.
+def select_revisions(listing: Mapping[str, str | None] | Sequence[Revision], names: Sequence[str] | None = None, *,
+                     pattern: str | re.Pattern | None = None, tokens_per_step: int | None = None,
+                     log_spaced: int | None = None) -> RevisionSelection:  # fmt: skip
+    """A replay's selection rule: the ``names`` asked for (a recipe's, ``--revisions``) or every listed revision with a
+    step, then ``log_spaced`` of them per run, in training order.
 
-    ``listing``: a hub model's refs (name -> commit, ``list_refs``), parsed here together with ``names`` so
-    a stage-2 name given alone still continues from stage 1's listed end; a named revision that is no ref
-    keeps its own name as commit when it is a commit id (``is_commit_id``: 40 lowercase hex digits), else
-    none (loading it then fails and is recorded as failed); a ref always wins over that reading. Refs
-    without a step that were not named (``main``, tags) are ``aliases``, never measured; named, they are
-    measured (last: no step). Or a local run's revisions (already parsed, each a checkpoint): all listed."""
+    ``listing``: a local run's revisions (all listed), or a hub model's refs (name -> commit, ``list_refs``), parsed
+    with ``names`` so a stage-2 name given alone continues from stage 1's listed end. A named revision that is no ref
+    keeps its name as commit when it is a commit id (``is_commit_id``), else none (loading then fails, recorded as
+    failed); a ref always wins. Unnamed refs without a step (``main``, tags) are ``aliases``, never measured; named, they
+    are measured (last: no step)."""
     wanted = set(names or ())
     if isinstance(listing, Mapping):
         commits = {**{n: n for n in wanted if is_commit_id(n)}, **listing}

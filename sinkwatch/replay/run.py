@@ -1,27 +1,22 @@
 """Workers without an engine (docs/design.md §8): a deterministic stride of the manifest's tasks, then one pass over what is missing.
 
-For plain processes — one process, torchrun, ``srun -n``, hosts started by hand — sharing a store.
-Engines (Slurm arrays, submitit, Ray) run the per-task unit of ``unit`` instead, over the same manifest.
-Why it is here: torchrun and ``srun -n`` start N copies of one command and schedule nothing, so the split is ours.
+For plain processes sharing a store (one process, torchrun, ``srun -n``, hosts started by hand): they start N copies
+of one command and schedule nothing, so the split is ours. Engines (Slurm arrays, submitit, Ray) run ``unit`` instead,
+over the same manifest. Each worker runs ``replay``:
 
-One worker, whatever launched it, runs ``replay``:
+1. the plan: the store's manifest (the first worker into an empty ``--out`` writes it by exclusive create, so workers
+   starting together agree on one), and the tasks this run asks for;
+2. its stride: tasks ``rank, rank + world, ...``, from ``RANK``/``WORLD_SIZE``, ``SLURM_PROCID``/``SLURM_NTASKS`` or
+   ``--shard i/n`` (none: all of them); each not recorded yet is measured (a failed one too: a rerun retries it), the
+   next downloading while this one is probed. Live attempts are not skipped here: a requeue starts before the old
+   process has died, and skipping would leave the task to a rerun;
+3. one pass over the other tasks from the end of the list (where the other strides end): each with no row and no live
+   attempt (``attempts.is_running``) is measured too. Two workers measuring one task record it once (exclusive
+   create): a few measurements may be duplicated at the tail, never a record;
+4. the group ablation, by the worker that recorded its revision (rank 0 when that was recorded before or never is).
 
-1. the plan: the store's manifest (written by the first worker into an empty ``--out``: exclusive
-   create, so workers starting together agree on one), and the tasks this run asks for;
-2. its stride: tasks ``rank, rank + world, ...`` of them, from the rank source (``RANK``/``WORLD_SIZE``,
-   ``SLURM_PROCID``/``SLURM_NTASKS``, or ``--shard i/n``; with none, this process takes them all); each
-   not recorded yet is measured (a failed one too: a rerun retries it), the next one downloading while
-   this one is probed;
-3. one pass over the other tasks, from the end of the list (where the other workers' strides end):
-   each still without any row and no live attempt (``attempts.is_running``) is measured too. A task two
-   workers measure at once is recorded once (exclusive create): at most a few measurements are
-   duplicated at the tail, never a record. The stride does not skip live attempts: a requeue's starts
-   before the old process has died, and skipping would leave the task to a rerun;
-4. the group ablation, by the worker that recorded its revision (or, when that was recorded before or
-   is no measured revision, by rank 0).
-
-No lease, no heartbeat: a hung worker holds nothing but its own tasks, which a rerun measures. On a
-bare node a hang is the user's to kill (an engine's time limit does it for you).
+No lease, no heartbeat: a hung worker holds only its own tasks, which a rerun measures; on a bare node a hang is the
+user's to kill (an engine's time limit does it for you).
 
 ``replay_plan`` says what ``replay`` with the same options would do and cost, doing none of it.
 """
@@ -48,38 +43,22 @@ from .workers import detect_worker
 
 # ---- the public entry points ------------------------------------------------------------------------------------
 def replay(model: str | Recipe, *, options: ReplayOptions | None = None, **kwargs) -> list[dict]:
-    """Replay revisions of a hub model (or a ``Recipe``) into the store ``out_dir``; returns the rows this
-    worker wrote (ok, failed, skipped). Run it in as many processes as you like, on any hosts sharing
-    ``out_dir`` (see the module doc: a stride of the manifest's tasks, then one pass; ``shard=(i, n)``
-    is the stride when no launcher gives one). Under an engine use ``replay_revision``.
+    """Replay revisions of a hub model (or a ``Recipe``, or a local folder of checkpoints: ``sinkwatch.replay.local``)
+    into the store ``out_dir``; returns the rows this worker wrote (ok, failed, skipped). Run it in as many processes as
+    you like, on any hosts sharing ``out_dir`` (the module doc; ``shard=(i, n)``: the stride when no launcher gives
+    one). Under an engine use ``replay_revision``.
 
-    Options: ``options=ReplayOptions(...)`` and/or its fields as keywords (laid over it); an unknown one,
-    or one only ``replay_plan`` reads, is a TypeError. ``ReplayOptions`` says what each one does.
+    Options: ``options=ReplayOptions(...)`` and/or its fields as keywords laid over it (an unknown one, or one only
+    ``replay_plan`` reads, is a TypeError); ``ReplayOptions`` says what each does. Revisions come from the recipe,
+    ``revisions``, or the hub's refs (``all_revisions``, ``log_spaced``). The first run into an empty ``out_dir``
+    writes the plan (``DIR/manifest.json``); later runs use it and ask the hub nothing; another selection, a moved
+    branch or a rewritten local checkpoint needs ``rewrite_manifest=True``.
 
-    Revisions come from the recipe, ``revisions``, or ``list_repo_refs`` (``all_revisions``: every
-    published one, whatever the recipe lists; ``log_spaced``: N of them). The first run into an empty
-    ``out_dir`` writes the plan (``DIR/manifest.json``); later runs use it and ask the hub nothing.
-    Another selection, a moved branch or a rewritten local checkpoint needs ``rewrite_manifest=True``.
-    ``model`` may also be a local folder of checkpoints (``sinkwatch.replay.local``: HF Trainer,
-    save_pretrained, OLMo-core, Lightning ``.ckpt`` with ``lightning_module="pkg.module:Class"``;
-    ``live_store``: the live run's store, whose ``probes.json`` gives its probe sets). Each record
-    carries the commit its branch resolved to, a fingerprint of its weights, the versions and the
-    device; revisions whose weights are not their own are flagged (``duplicate_of``) and, with
-    ``skip_duplicates``, not measured.
-
-    ``protocol``: "paper" reproduces Xu 2026's precision choices (docs/design.md §8: float16 models probed
-    through eager float16 attention, PR from a float16 pass over the first 500 sequences), "sinkwatch"
-    keeps float32 statistics and PR over every sequence; default: the recipe's. A store that holds
-    records made with another protocol, dtype, model or probe set is refused (``StoreMismatchError``).
-
-    ``ablate``: once its revision is recorded, the group ablation of the >= 50x induction circuit at
-    ``ablation_revision`` (default: the recipe's; without one, the last revision) goes to
-    ``DIR/ablation.json`` (``run_ablation``). Default: on under protocol "paper" when the recipe names
-    an ablation revision (the packaged recipes do).
-
-    ``fetch``: retries, prefetch and the task folders (``FetchConfig``: ``keep_cache=True`` keeps what is
-    downloaded, ``cache_root`` moves the folders); ``max_memory`` (``"24GiB"``): the memory each device
-    may use, instead of what it has free.
+    Each record carries its commit, weights fingerprint, versions and device; revisions whose weights are not their
+    own are flagged (``duplicate_of``; ``skip_duplicates``: not measured). ``protocol``: "paper" is Xu 2026's precision
+    (docs/design.md §8), "sinkwatch" float32 statistics and PR over every sequence; a store of records made with another
+    protocol, dtype, model or probe set is refused (``StoreMismatchError``). ``ablate``: the group ablation at ``ablation_revision`` once it
+    is recorded, into ``DIR/ablation.json`` (``run_ablation``).
     """
     o = ReplayOptions.given(options, kwargs, reader=REPLAY, what="replay()")
     s = prepare_replay(model, o, manifest="use", running=attempts.running(o.out_dir))
@@ -98,18 +77,17 @@ def stride(shard: tuple[int, int] | None = None) -> tuple[int, int]:
     if w.launcher == "local-rank":
         warnings.warn(
             f"sinkwatch replay: LOCAL_RANK={w.local_rank} without WORLD_SIZE: this process is one worker of an unknown number; "
-            "it measures every task not recorded yet (set RANK and WORLD_SIZE, or --shard i/n, to split them)",
-            RuntimeWarning,
+            "it measures every task not recorded yet (set RANK and WORLD_SIZE, or --shard i/n, to split them)", RuntimeWarning,
             stacklevel=3,
-        )
+        )  # fmt: skip
         return 0, 1
     return w.index, w.count or 1
 
 
 def replay_plan(model: str | Recipe, *, options: ReplayOptions | None = None, **kwargs) -> Plan:
-    """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it): nothing
-    is downloaded but file metadata and a config.json, nothing is written. Options as ``replay``'s, and the
-    estimate's own (``workers``, ``bandwidth_mb_s``, ``tflops``); replay's ``options=`` object is taken whole."""
+    """What ``replay`` with these options would do and cost (``plan.format_plan`` prints it), downloading only file
+    metadata and a config.json, writing nothing. Options as ``replay``'s plus the estimate's (``workers``,
+    ``bandwidth_mb_s``, ``tflops``); replay's ``options=`` object is taken whole."""
     o = ReplayOptions.given(options, kwargs, reader=PLAN, what="replay_plan()")
     s = prepare_replay(model, o, manifest="peek")
     worker = detect_worker()
@@ -128,25 +106,12 @@ def replay_plan(model: str | Recipe, *, options: ReplayOptions | None = None, **
         source = "--workers"
     dev = worker_device(o.device, worker)
     return make_plan(
-        s.recipe.model,
-        planned,
-        done=done,
-        dtype=s.dtype,
-        protocol=s.protocol,
-        batch_tokens=s.cfg.batch_tokens,
-        probes=s.probes,
-        workers=workers,
-        worker_source=source,
-        cache_dir=o.cache_dir,
-        fetch=o.fetch,
-        device=dev,
-        budgets=device_budgets(dev, o.max_memory, worker.local_rank),
-        **({"bandwidth_mb_s": o.bandwidth_mb_s} if o.bandwidth_mb_s else {}),
-        tflops=o.tflops,
-        ablation=o.ablation_revision or s.recipe.ablation_revision,
-        duplicates={name: group.duplicate_of for name, group in s.flags.items()},
-        tasks=len(s.tasks),
-    )
+        s.recipe.model, planned, done=done, dtype=s.dtype, protocol=s.protocol, batch_tokens=s.cfg.batch_tokens, probes=s.probes,
+        workers=workers, worker_source=source, cache_dir=o.cache_dir, fetch=o.fetch, device=dev,
+        budgets=device_budgets(dev, o.max_memory, worker.local_rank), **({"bandwidth_mb_s": o.bandwidth_mb_s} if o.bandwidth_mb_s else {}),
+        tflops=o.tflops, ablation=o.ablation_revision or s.recipe.ablation_revision,
+        duplicates={name: group.duplicate_of for name, group in s.flags.items()}, tasks=len(s.tasks),
+    )  # fmt: skip
 
 
 # ---- one worker's loop ---------------------------------------------------------------------------------------------

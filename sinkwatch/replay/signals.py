@@ -1,9 +1,8 @@
 """SIGTERM (a Slurm time limit, ``scancel``, preemption) as an exception, so a replay writes its failed rows.
 
-Inside ``terminate_cleanly()`` a SIGTERM raises ``Terminated`` in the main thread: the workers' loop or
-the per-task unit then writes the failed rows of the task being measured, empties its folder, ends
-its attempt and leaves with ``exit_terminated`` (status 128 + 15, without waiting for a download
-thread). A handler someone else installed (Ray's, submitit's) is left in place.
+Inside ``terminate_cleanly()`` a SIGTERM raises ``Terminated`` in the main thread: the workers' loop or the per-task
+unit writes the failed rows of the task being measured, empties its folder, ends its attempt and leaves with
+``exit_terminated`` (status 128 + 15, not waiting for a download thread). Another's handler (Ray's, submitit's) is kept.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Where a replay's revisions come from — a hub model (or its local cache) or a folder of the user's own
-checkpoints — and how each is loaded: the one entry point the loop calls (``revision_source``)."""
+"""Where a replay's revisions come from (a hub model or its local cache, or a folder of the user's checkpoints) and how
+each is loaded: the one entry point the loop calls (``revision_source``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from .revisions import Revision
 
 @dataclass
 class RevisionSource:
-    """The revisions to measure (training order), their weights (what the fingerprint and the duplicate
-    check read, before any download), the refs that may name a duplicate group without being measured
-    (``main``), and the loader."""
+    """The revisions to measure (training order), their weights (read by the fingerprint and duplicate check before any
+    download), refs that may name a duplicate group without being measured (``main``), and the loader."""
 
     model: str
     revisions: list[Revision]
@@ -33,8 +32,8 @@ class RevisionSource:
         return Revision(name)
 
     def load(self, rev: Revision | str, *, dtype: str, device: str | None = None):
-        """A hub revision by the commit its branch resolved to when listed (a branch that moves meanwhile
-        cannot mix weights into this record); a local one from its files."""
+        """A hub revision by the commit its branch resolved to when listed (a moving branch cannot mix weights into this
+        record); a local one from its files."""
         rev = self.revision(rev) if isinstance(rev, str) else rev
         if self.local is not None:
             return self.local.load(rev, dtype=dtype, device=device)
@@ -45,15 +44,10 @@ class RevisionSource:
         return self.local.live_probes() if self.local is not None else None
 
 
-def revision_source(
-    recipe: Recipe,
-    *,
-    tokens_per_step: int | None = None,
-    lightning_module: str | None = None,
-    live_store: str | None = None,
-) -> RevisionSource:
-    """Every checkpoint of the local run ``recipe.model`` (a folder), with its weights: the listing a
-    manifest is written from (a hub model's listing is the manifest's own: ``manifest``)."""
+def revision_source(recipe: Recipe, *, tokens_per_step: int | None = None, lightning_module: str | None = None,
+                    live_store: str | None = None) -> RevisionSource:  # fmt: skip
+    """Every checkpoint of the local run ``recipe.model`` (a folder), with its weights: the listing a manifest is written
+    from (a hub model's listing is the manifest's own)."""
     if not is_local(recipe.model):
         raise ValueError(f"{recipe.model} is no path on this machine")
     run = local_run(recipe.model, tokens_per_step=tokens_per_step, lightning_module=lightning_module, live_store=live_store)

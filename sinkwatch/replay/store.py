@@ -21,8 +21,7 @@ from .workers import Worker, detect_worker
 
 # ---- the store -------------------------------------------------------------------------------------------
 def shard_from_env() -> tuple[int, int]:
-    """(index, count) of this worker from its launcher (``workers.detect_worker``; count 1 when unknown):
-    the stride of the manifest's tasks it measures first (``run``)."""
+    """(index, count) of this worker from its launcher (count 1 when unknown): its stride of the manifest's tasks (``run``)."""
     w = detect_worker()
     return w.index, w.count or 1
 
@@ -35,9 +34,8 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def replay_key(model: str, dtype: str, protocol: str, probes: Sequence) -> dict:
-    """What makes two replays of a revision the same measurement: the model, its dtype, the protocol
-    and the probe sets (each probe recipe's parameters, or a ready probe set's content hash; with the
-    model fixed, these determine the probe hashes)."""
+    """What makes two replays of a revision the same measurement: model, dtype, protocol and probe sets (a recipe's
+    parameters, or a ready probe set's content hash; with the model fixed, these determine the probe hashes)."""
     return {"model": model, "dtype": dtype, "protocol": protocol, "probes": {p.kind: _probe_spec(p) for p in probes}}
 
 
@@ -56,9 +54,8 @@ def _probe_spec(probe) -> dict | str:
 
 
 def done_key(key: dict, revision: str, commit: str | None) -> str:
-    """The one key that says a revision is measured, wherever in the store its record lies: the replay
-    key (what was measured, how), the revision's name and the commit that name resolved to (what
-    weights). A branch that moved to new weights has a new done key and is measured again. 16 hex digits."""
+    """The key (16 hex digits) that says a revision is measured, wherever its record lies: the replay key, the revision's
+    name and the commit it resolved to. A branch moved to new weights has a new done key and is measured again."""
     payload = {"key": key, "revision": revision, "commit": commit}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -69,8 +66,7 @@ def record_done_key(record: dict) -> str:
 
 
 def key_of(record: dict) -> dict:
-    """The replay key a stored record was made with; records from before keys were stored lack one
-    (their protocol was sinkwatch's; what probes they used is unknown)."""
+    """The replay key a stored record was made with; an older record without one: protocol sinkwatch, probes unknown."""
     if "replay_key" in record:
         return record["replay_key"]
     return {
@@ -113,17 +109,14 @@ RECORDS_DIR = "records"
 class ReplayStore:
     """One replay store (a directory), as one worker sees it.
 
-    Each measured revision is one file, ``DIR/records/KEY.json`` (KEY: its ``done_key``), written whole
-    to a temp file and published by hard link, which fails when the name exists: a torn record or two
-    records for one key cannot exist, and "done" is a name lookup (O(1) whatever the store's size). A
-    failed attempt is ``DIR/records/KEY.failed.json`` (replaced by each new failure); it never counts as
-    done, and the success that follows removes it. Stores written before (``records*.jsonl``, one file
-    per worker, files set aside as ``*.superseded*`` excepted) still read: their records are done too,
-    and every reader (``merged_records``, the report) reads both.
+    Each measured revision is one file, ``DIR/records/KEY.json`` (KEY: its ``done_key``), written whole to a temp file and
+    published by hard link, which fails when the name exists: no torn record, no two records for one key, and "done" is a
+    name lookup (O(1)). A failed attempt is ``DIR/records/KEY.failed.json`` (replaced by each new failure, removed by the
+    success that follows); it never counts as done. Legacy stores (``records*.jsonl``, one file per worker, but not
+    ``*.superseded*``) still read, by every reader (``merged_records``, the report).
 
-    A revision is done only when its record was made with the same replay key (model, dtype,
-    protocol, probes) and commit. A store holding records made another way is refused with an error
-    naming the difference — one store, one measurement — rather than mixing two protocols in one report.
+    Done means a record with the same replay key (model, dtype, protocol, probes) and commit. A store holding records
+    made another way is refused, naming the difference: one store, one measurement, never two protocols in one report.
     """
 
     def __init__(self, out_dir: str | os.PathLike, worker: Worker | None = None):
@@ -191,10 +184,9 @@ class ReplayStore:
         check_records(self.ok_records(), key, self.dir)
 
     def write(self, row: dict) -> bool:
-        """Publish ``row`` as its done key's file. A success (or a revision skipped as a duplicate) is written
-        once (False: that key has its record already — another worker measured it too — and it is kept)
-        and removes the failed row; a failure replaces the previous failure and never a success. Written
-        whole or not at all."""
+        """Publish ``row``, whole or not at all, as its done key's file. A success (or a skipped duplicate) is written once
+        (False: the key has its record already, which is kept) and removes the failed row; a failure replaces the previous
+        failure, never a success."""
         row.setdefault("written_at", time.time())  # orders records of one revision across workers (write_order)
         done = record_done_key(row)
         ok = row.get("status", "ok") in ("ok", "skipped")
@@ -239,24 +231,20 @@ def check_records(records, key: dict, where) -> None:
 
 
 def write_order(rows) -> list[dict]:
-    """Rows in the order they were written, over every worker's file: by ``written_at`` (each row's
-    write time), so that of two records of one revision — a moved branch measured again, by another
-    process whose records file sorts before the first one's — the later is the latest. Rows without
-    it (stores written before it) come first, in file order."""
+    """Rows in write order over every worker's file, by ``written_at``: of two records of one revision (a moved branch
+    measured again by another process) the later is the latest. Older rows without it come first, in file order."""
     return sorted(rows, key=lambda r: r.get("written_at") or 0.0)
 
 
 def stored_records(store_dir: str | os.PathLike) -> list[dict]:
-    """Every successful record of a store, from every worker's file, in the order they were written
-    (``write_order``); reads only."""
+    """Every successful record of a store, from every worker's file, in ``write_order``; reads only."""
     offsets: dict[Path, int] = {}
     return write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets) if _is_ok_record(r))
 
 
 def record_files(store_dir: str | os.PathLike) -> list[Path]:
-    """The store's record files: one per done key (``records/KEY.json``, ``records/KEY.failed.json``) in the order
-    they were written, then the legacy ``records*.jsonl`` (except files set aside as ``*.superseded*``). Each is JSON
-    lines (a record file: one line)."""
+    """The store's JSON-lines files: ``records/KEY.json`` and ``records/KEY.failed.json`` (one line each) in write order,
+    then the legacy ``records*.jsonl`` (not ``*.superseded*``)."""
     d = Path(store_dir) / RECORDS_DIR
     own = [p for p in d.glob("*.json") if not p.name.startswith(".")] if d.is_dir() else []
     return [*sorted(own, key=_written), *_legacy_files(store_dir)]  # in the order they were written, as one file's lines were
@@ -274,8 +262,8 @@ def _legacy_files(store_dir: str | os.PathLike) -> list[Path]:
 
 
 def _read_new_lines(path: Path, offsets: dict[Path, int]) -> list[dict]:
-    """Rows appended to ``path`` since the last call: whole lines only (one still being written waits
-    for the next look). The file is opened anew each time: on NFS, open is what shows other hosts' appends."""
+    """Whole rows appended to ``path`` since the last call (a line being written waits). Opened anew each time: on NFS,
+    open is what shows other hosts' appends."""
     start = offsets.get(path, 0)
     try:
         with path.open("rb") as f:
@@ -302,8 +290,7 @@ def _is_ok_record(r: dict) -> bool:
 
 
 def store_group(store_dir: str | os.PathLike) -> str:
-    """A name shared by every worker of one store (its W&B group): ``DIR/store.json``'s id, created
-    once (exclusively) by the first worker; the same on every host whatever the mount path."""
+    """The store's W&B group: ``DIR/store.json``'s id, created exclusively by the first worker; the same on every host."""
     path = Path(store_dir) / "store.json"
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -324,28 +311,23 @@ def stage_config_of(records: Sequence[dict]) -> StageConfig:
     """The StageConfig the records were staged with (``stage_config``; the default before it was stored)."""
     configs = {json.dumps(r["stage_config"], sort_keys=True) for r in records if r.get("stage_config") is not None}
     if len(configs) > 1:
-        warnings.warn(
-            "sinkwatch: the store's records were staged with different StageConfigs; stages are re-derived with the default",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        msg = "sinkwatch: the store's records were staged with different StageConfigs; stages are re-derived with the default"
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
     if len(configs) != 1:
         return StageConfig()
     return StageConfig(**json.loads(configs.pop()))
 
 
 def failed_revisions(store_dir: str | os.PathLike) -> dict[str, str]:
-    """revision -> error of revisions whose latest attempt failed, at a commit with no successful record
-    anywhere in the store: a moved branch whose new weights failed is listed, though its old commit's
-    record is still the one drawn; a failure that a later success (any worker's, any commit) followed is not."""
+    """revision -> error where the latest attempt failed at a commit with no successful record in the store: a moved branch
+    whose new weights failed is listed (its old commit's record still drawn); a failure a later success (any worker's,
+    any commit) followed is not."""
     offsets: dict[Path, int] = {}
     rows = write_order(r for path in record_files(store_dir) for r in _read_new_lines(path, offsets))
     latest = {r["revision"]: r for r in rows if r.get("revision") is not None and (r.get("status") == "failed" or _is_ok_record(r))}
     ok = {(r["revision"], r.get("commit")) for r in rows if _is_ok_record(r)}
     return {
-        name: r.get("error", "") + limit_note(r)
-        for name, r in latest.items()
-        if r.get("status") == "failed" and (name, r.get("commit")) not in ok
+        n: r.get("error", "") + limit_note(r) for n, r in latest.items() if r.get("status") == "failed" and (n, r.get("commit")) not in ok
     }
 
 

@@ -2,17 +2,14 @@
 
 Slurm arrays, submitit and Ray already schedule, time-limit and retry tasks; replay gives them:
 
-- ``write_manifest`` (``sinkwatch replay MODEL --out DIR --manifest-only``): the driver's one look at
-  the hub (``manifest``): the plan, an ordered list of named tasks, written once;
-- ``replay_revision(model, task, out_dir=...)`` (``--task N``: the N-th task of the written list): reads
-  the manifest, lists nothing, and writes a record for every member of its task not recorded yet
-  (measured once); a failure writes the failed rows and raises ``RevisionFailed`` (the engine's retry,
-  or a resubmission, applies); SIGTERM (a Slurm time limit) and KeyboardInterrupt (Ray's cancel)
-  write them too. It downloads into the task's own folder (``attempts``);
+- ``write_manifest`` (``--manifest-only``): the driver's one look at the hub: the plan, named tasks, written once;
+- ``replay_revision`` (``--task N``: the N-th task of the written list): reads the manifest, lists nothing, records
+  every member of its task not recorded yet, downloading into the task's own folder (``attempts``); a failure, SIGTERM
+  (a Slurm time limit) or KeyboardInterrupt (Ray's cancel) writes the failed rows, then ``RevisionFailed`` is raised;
 - ``failed_tasks``: the tasks with a member not recorded, to resubmit;
-- ``finalize`` (``--finalize``, after the tasks): attempts killed without a word get their failed rows,
-  what they left in the task folders is swept, the stages are derived over the whole store in step
-  order (``DIR/trajectory.json``), the group ablation runs once, and it says what failed or is missing.
+- ``finalize`` (``--finalize``, after the tasks): failed rows for attempts killed without a word, task folders swept,
+  stages derived over the whole store in step order (``DIR/trajectory.json``), the group ablation run once, and what
+  failed or is missing listed.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ from .store import ReplayStore, ask_min, done_key
 
 
 class _UnitLoop(Measurer):
-    """The measuring parts (place, fetch, measure, write) for one task: nothing read of the store but its
-    own keys (finalize derives the stages in step order)."""
+    """Place, fetch, measure, write one task, reading of the store only its own keys (finalize derives the stages)."""
 
     def _check_store(self) -> None:
         pass  # the driver checked the store when it wrote the manifest
@@ -53,24 +49,21 @@ def _options(out_dir, options: ReplayOptions | None, kwargs: dict, what: str) ->
 
 
 def write_manifest(model, *, out_dir, rewrite: bool = False, options: ReplayOptions | None = None, **kwargs) -> Manifest:
-    """The plan of this replay in ``DIR/manifest.json`` (the driver, once, before the tasks start): refs,
-    commits, fingerprints of every listed revision, duplicate groups over the whole run, and the named
-    tasks. An existing manifest that plans this selection is returned as it is (no hub request);
-    ``rewrite=True`` (``rewrite_manifest``) updates it — new revisions appended as new tasks, moved branches
-    fingerprinted again, every existing task kept under its name and index — and is refused while a task is running."""
+    """Write the plan to ``DIR/manifest.json`` (the driver, once, before the tasks): refs, commits, fingerprints of every
+    listed revision, duplicate groups over the whole run, the named tasks. A manifest that plans this selection is
+    returned as it is (no hub request); ``rewrite=True`` updates it (new revisions appended as tasks, moved branches
+    fingerprinted again, existing tasks keep their names and indices), refused while a task is running."""
     o = _options(out_dir, options, {**kwargs, **({"rewrite_manifest": True} if rewrite else {})}, "write_manifest()")
     s = prepare_replay(model, o, manifest="use", running=attempts.running(out_dir) if Path(out_dir).is_dir() else {})
     return s.manifest
 
 
 def replay_revision(model, task, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> dict:
-    """Measure one task of the manifest into the store ``out_dir`` and return a record: the unit an engine
-    maps over the manifest's task names (Ray tasks, submitit jobs, Slurm array tasks via ``--task``).
-    ``task``: a task name (``Manifest.task_names()``) or a revision a task holds (its record is returned;
-    for a task name, its first member's). Reads ``DIR/manifest.json`` (a ValueError naming the command
-    that writes it, when absent), lists nothing. Writes a record for every member not recorded yet —
-    those with identical weights measured once, a member recorded by an earlier attempt not measured
-    again. A failure writes the failed rows, then raises ``RevisionFailed``."""
+    """Measure one task of the manifest into ``out_dir``: the unit an engine maps over the task names (Ray, submitit,
+    Slurm arrays via ``--task``). ``task``: a task name or a revision a task holds (whose record is returned; for a
+    task name, its first member's). Reads ``DIR/manifest.json`` (absent: a ValueError naming the command that writes
+    it), lists nothing, and records every member not recorded yet (identical weights measured once, an earlier
+    attempt's record reused). A failure writes the failed rows, then raises ``RevisionFailed``."""
     o = _options(out_dir, options, kwargs, "replay_revision()")
     s = prepare_replay(model, o, manifest="require")
     name = task.name if isinstance(task, (Revision, Task)) else str(task)
@@ -99,18 +92,15 @@ def replay_revision(model, task, *, out_dir: str | os.PathLike, options: ReplayO
     if missing:
         row = store.read(done_key(s.key, missing[0].name, missing[0].commit)) or {}
         error = row.get("error", "no record written")
-        raise RevisionFailed(
-            f"{s.recipe.model} task {t.name} ({', '.join(r.name for r in missing)}) failed: {error} "
-            f"(its failed rows are in {Path(out_dir) / 'records'})"
-        )
+        raise RevisionFailed(f"{s.recipe.model} task {t.name} ({', '.join(r.name for r in missing)}) failed: {error} "
+                             f"(its failed rows are in {Path(out_dir) / 'records'})")  # fmt: skip
     return store.read(done_key(s.key, asked.name, asked.commit))
 
 
 def failed_tasks(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> list[str]:
-    """Names of the manifest's tasks with a member not recorded (failed, killed, never run): what to
-    resubmit. ``Manifest.index_of`` (or the CLI's ``--failed-tasks``) gives their array indices. A task an
-    engine's limit ended twice in a row is left out (the same limit would end it again): ``finalize`` lists
-    it under ``over_limit`` with the limit to ask for."""
+    """The tasks to resubmit: those with a member not recorded (failed, killed, never run); ``Manifest.index_of`` gives
+    their array indices. A task an engine's limit ended twice in a row is left out (it would end again): ``finalize``
+    lists it under ``over_limit`` with the limit to ask for."""
     s = prepare_replay(model, _options(out_dir, options, kwargs, "failed_tasks()"), manifest="require")
     store = ReplayStore(out_dir)
     rows = {t.name: [store.read(done_key(s.key, r.name, r.commit)) for r in s.needed(t)] for t in s.manifest.task_list}
@@ -124,14 +114,12 @@ def over_limit(row: dict | None) -> bool:
 
 
 def finalize(model, *, out_dir: str | os.PathLike, options: ReplayOptions | None = None, **kwargs) -> dict:
-    """After the tasks (a job on ``afterany``, never beside running tasks): an attempt that began and never
-    ended (killed by SIGKILL) gets a failed row for each member it did not record, what attempts left in
-    the task folders is swept (unless ``keep_cache``), the stages are derived over the whole store in step
-    order (``DIR/trajectory.json``), the group ablation runs once (as ``replay`` decides it), and it says
-    which planned revisions failed or are missing. An attempt still alive (a requeue, a late task) is left
-    alone and listed under ``running``. Returns ``{"done", "failed": {revision: error}, "missing", "skipped",
-    "killed", "running", "over_limit": {revision: {"after_s", "stage", "count", "task", "ask_min"}},
-    "trajectory", "ablation"}``."""
+    """After the tasks (a job on ``afterany``, never beside running tasks): failed rows for the members an attempt killed
+    without a word (SIGKILL) did not record, the task folders swept (unless ``keep_cache``), stages derived over the
+    store in step order (``DIR/trajectory.json``), the group ablation run once (as ``replay`` decides it). An attempt
+    still alive (a requeue, a late task) is left alone, listed under ``running``. Returns ``{"done", "failed": {revision: error},
+    "missing", "skipped", "killed", "running", "over_limit": {revision: {"after_s", "stage", "count", "task",
+    "ask_min"}}, "trajectory", "ablation"}``."""
     from .ablation import ablation_key, check_ablation, read_ablation
 
     o = _options(out_dir, options, kwargs, "finalize()")

@@ -1,10 +1,7 @@
 """Who this replay worker is, whatever launched it (docs/design.md §8): torchrun, srun, a Slurm array, or a plain process.
 
-The index and count detected here are a worker's stride of the manifest's tasks (``run``: it measures
-those first, then what is still missing), name the worker (its records, its W&B run), pick its GPU,
-and size the plan's split. Why it is here: each launcher says who a process is only in its own variables.
-
-Launchers, in the order they are recognised (the first that matches decides):
+The index and count give a worker its stride of the manifest's tasks (``run``), its name (records, W&B run), its GPU,
+and the plan's split; each launcher says who a process is only in its own variables. The first that matches decides:
 
 - torchrun / ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``;
 - ``srun`` inside a Slurm array task: array index x tasks + ``SLURM_PROCID``;
