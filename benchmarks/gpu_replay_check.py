@@ -121,7 +121,7 @@ def main() -> int:
             # 3. split over GPUs
             if torch.cuda.device_count() >= 2:
                 single, _ = run("single", revisions=names[:1], device="cuda:0")
-                from sinkwatch.replay.plan import ModelShape
+                from sinkwatch.models.placement import ModelShape
 
                 shape = ModelShape.from_config(cfg)  # the placement's own estimate: one GPU too small, two enough
                 budget = shape.activations("float32", 16384, 256) + int(0.7 * shape.weights["float32"])

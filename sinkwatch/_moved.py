@@ -34,6 +34,9 @@ MOVED: dict[str, str] = {
     # models
     "sinkwatch.loading": "sinkwatch.models.loading",
     "sinkwatch.gguf": "sinkwatch.models.gguf",
+    "sinkwatch.replay.hub": "sinkwatch.models.hub",
+    "sinkwatch.replay.retries": "sinkwatch.models.hub",
+    "sinkwatch.replay.litgpt_checkpoints": "sinkwatch.models.litgpt_checkpoints",
     # reporters, reports, the demos
     "sinkwatch.reporting": "sinkwatch.reporters",
     "sinkwatch.findings": "sinkwatch.report.findings",

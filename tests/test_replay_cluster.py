@@ -30,8 +30,8 @@ import sinkwatch.monitor
 import sinkwatch.replay.measure
 from sinkwatch import InductionProbe, Monitor, MonitorConfig, StageConfig, StageTracker
 from sinkwatch.cli import main
+from sinkwatch.models.placement import ModelShape, place
 from sinkwatch.replay import FetchConfig, detect_worker, merged_records, read_ablation, record_files, replay
-from sinkwatch.replay.plan import ModelShape, place
 from sinkwatch.reporting.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -390,7 +390,7 @@ def test_plan_prints_the_sizes_the_hub_serves_and_fetches_no_weights(online, tmp
         assert c[n][:8] in line and line.rstrip().endswith("to do")
     assert out.count(f"model.safetensors  {size} bytes") == 4 and "pytorch_model.bin" not in out
     assert re.search(r"~2 revision\(s\) each", out) and "workers: 3 (--workers)" in out
-    from sinkwatch.replay.plan import human
+    from sinkwatch.models.placement import human
 
     one = sum(len(f.data) for p, f in online.repos[REPO].commits[c["step0"]].items() if p != "pytorch_model.bin")
     assert f"peak {human(2 * one)} with eviction" in out and f"{human(4 * one)} without (--keep-cache)" in out

@@ -202,9 +202,10 @@ def test_a_shared_shard_flags_the_branch_that_is_not_the_final_step(hub, tmp_pat
 def test_the_plan_can_flag_duplicates_from_metadata_alone(hub, tmp_path):
     """What ``--plan`` calls (replay-cluster): listing with commits, fingerprints from the hub's
     metadata, the duplicate groups — no weights downloaded."""
+    from sinkwatch.models.hub import list_refs
     from sinkwatch.replay import Revision
     from sinkwatch.replay.provenance import find_duplicates, fingerprints
-    from sinkwatch.replay.revisions import list_refs, select_revisions
+    from sinkwatch.replay.revisions import select_revisions
 
     before = len(hub.downloads())
     refs = list_refs("org/dup")

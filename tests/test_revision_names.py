@@ -197,8 +197,8 @@ def test_the_selection_is_every_revision_with_a_step_or_the_named_ones_and_main_
 
 
 def test_a_commit_id_is_40_lowercase_hex_digits_and_a_ref_of_that_spelling_is_its_ref():
+    from sinkwatch.models.hub import is_commit_id
     from sinkwatch.replay import select_revisions
-    from sinkwatch.replay.revisions import is_commit_id
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     refs = _refs(["step10", "step20"])

@@ -14,7 +14,6 @@ One module per idea:
 - ``recipes``: what to replay (``Recipe``, packaged and YAML recipes);
 - ``options``: how to replay it: every option of ``replay``, ``replay_plan``, the unit and the CLI, once (``ReplayOptions``);
 - ``revisions``: revision names, steps, tokens, training order, listing (hub or local cache), the selection rule;
-- ``hub``: a revision's file metadata (sizes, LFS sha256) without downloading;
 - ``store``: the replay key, the done key, the record files;
 - ``merged``: the store as the report reads it (duplicate groups from the manifest, stages over the trajectory);
 - ``workers``: who this worker is, whatever launched it;
@@ -22,7 +21,7 @@ One module per idea:
 - ``attempts``: one attempt at a task: a download folder and a marker of its own, held (flock) while it lives;
 - ``signals``: SIGTERM as an exception, so a replay writes its failed rows before it exits;
 - ``fetch``: download by commit into the task's folder, prefetch, retries;
-- ``plan``: sizes, disk, memory, placement and time before the work (``--plan``);
+- ``plan``: sizes, disk, memory and time before the work (``--plan``); the hub's side and where a model fits are ``models/``'s;
 - ``ablation``: the paper's group ablation at one revision (``DIR/ablation.json``);
 - ``prepare``: what one replay measures, resolved once (the manifest and its tasks, protocol, probe sets, replay key);
 - ``measure``: one task placed, fetched, probed, written and its folder emptied (and the ablation, once);
@@ -34,6 +33,7 @@ One module per idea:
 
 from __future__ import annotations
 
+from ..models.hub import check_hub, list_refs
 from .ablation import (
     ABLATION_FILE,
     PAPER_ABLATION_DTYPE,
@@ -53,8 +53,6 @@ from .ray_limits import run_with_limit
 from .recipes import Recipe, is_recipe, load_recipe, packaged_recipes
 from .revisions import (
     Revision,
-    check_hub,
-    list_refs,
     list_revisions,
     parse_revision,
     parse_revisions,
@@ -73,13 +71,11 @@ from .store import (
     failed_revisions,
     key_difference,
     key_of,
-    parse_shard,
     record_files,
     replay_key,
-    shard_from_env,
 )
 from .unit import RevisionFailed, failed_tasks, finalize, replay_revision, write_manifest
-from .workers import Worker, detect_worker
+from .workers import Worker, detect_worker, parse_shard
 
 __all__ = ["ABLATION_FILE", "MANIFEST_FILE", "Manifest", "RevisionFailed", "PAPER_ABLATION_DTYPE", "PAPER_CONTROL_RULE", "FetchConfig",
     "Plan", "Recipe", "ReplayOptions", "ReplayStore", "Revision", "StoreMismatchError", "Task", "Worker", "ablation_key",
@@ -87,4 +83,4 @@ __all__ = ["ABLATION_FILE", "MANIFEST_FILE", "Manifest", "RevisionFailed", "PAPE
     "finalize", "format_plan", "is_recipe", "key_difference", "key_of", "list_refs", "list_revisions", "load_recipe", "merged_records",
     "packaged_recipes", "paper_ablation_sets", "parse_revision", "parse_revisions", "parse_shard", "read_ablation", "read_manifest",
     "record_files", "replay", "replay_key", "replay_plan", "replay_revision", "revision_step", "revision_tokens", "run_ablation",
-    "run_with_limit", "runs_of", "select_log_spaced", "select_revisions", "shard_from_env", "training_order", "write_manifest"]  # fmt: skip
+    "run_with_limit", "runs_of", "select_log_spaced", "select_revisions", "training_order", "write_manifest"]  # fmt: skip

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..models.hub import RemoteFile, RetryPolicy, cache_repo_dir, call_with_retries, remote_files, short_error
 from ..models.loading import hub_offline
-from .hub import RemoteFile, remote_files
-from .retries import FetchError, RetryPolicy, _short, call_with_retries, is_transient  # noqa: F401 - re-exported
 from .revisions import Revision
 
 
@@ -110,7 +109,7 @@ class Fetcher:
             )  # fmt: skip
             return Path(path)
         except (RevisionNotFoundError, EntryNotFoundError, RepositoryNotFoundError) as exc:
-            raise FileNotFoundError(f"{self.model} has no revision {rev.name!r}: {_short(exc)}") from exc
+            raise FileNotFoundError(f"{self.model} has no revision {rev.name!r}: {short_error(exc)}") from exc
         except LocalEntryNotFoundError as exc:
             if hub_offline():
                 raise FileNotFoundError(
@@ -121,9 +120,7 @@ class Fetcher:
 
     def _cached(self, commit: str, chosen: list[RemoteFile] | None) -> Path | None:
         """The user's cache's snapshot of ``commit`` when it holds every file to fetch (offline: when it exists)."""
-        from .revisions import _cache_repo_dir
-
-        snapshot = _cache_repo_dir(self.model, self.cache_dir) / "snapshots" / commit
+        snapshot = cache_repo_dir(self.model, self.cache_dir) / "snapshots" / commit
         if not snapshot.is_dir():
             return None
         if chosen is not None and not all((snapshot / f.path).is_file() for f in chosen):

@@ -5,7 +5,7 @@ What a folder may hold (one kind per folder; each child is one revision):
 - HF Trainer ``checkpoint-N/``, or ``save_pretrained`` folders with a step in the name (``step100/``, ``model_step_100/``);
 - OLMo-core ``stepN/`` with ``model_and_optim/``, converted by OLMo-core's ``save_hf_model``; the model config is the
   experiment config its ``ConfigSaverCallback`` writes beside each checkpoint (``config.json``, key ``model``), or one in DIR;
-- LitGPT ``step-NNNNNNNN/`` (``lit_model.pth``, ``model_config.yaml``), loaded into litgpt's ``GPT`` (``litgpt_checkpoints``);
+- LitGPT ``step-NNNNNNNN/`` (``lit_model.pth``, ``model_config.yaml``), loaded into litgpt's ``GPT`` (``models.litgpt_checkpoints``);
 - Lightning ``.ckpt`` files, loaded with ``Class.load_from_checkpoint`` of ``--lightning-module pkg.module:Class``
   (``last.ckpt`` is a copy and is skipped).
 
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
+from ..models import litgpt_checkpoints
+from ..models.hub import is_weight_file
 from ..probes import ProbeSet, make_induction_probe, make_repeated_random_probe
 from ..reporters.jsonl import PROBES_FILE  # in a live store: the callback's probe sets and natural windows
-from . import litgpt_checkpoints
-from .hub import is_weight_file
 from .provenance import Weights, weights_of_files
 from .revisions import SCHEMES, Revision, training_order
 

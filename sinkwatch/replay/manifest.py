@@ -18,17 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hub import RemoteFile, remember_files, remembered_files
+from ..models.hub import RemoteFile, is_commit_id, list_refs, remember_files, remembered_files
 from .local import check_local_names
 from .provenance import DuplicateGroup, Weights, find_duplicates, fingerprints, hash_cache
 from .recipes import Recipe
-from .revisions import (
-    Revision,
-    is_commit_id,
-    list_refs,
-    select_revisions,
-    training_order,
-)
+from .revisions import Revision, select_revisions, training_order
 from .source import RevisionSource, revision_source
 from .store import StoreMismatchError, key_difference
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models.loading import HubUnreachableError, hub_offline, load_model, loaded_attention
+from ..models.placement import ModelShape, Placement, device_budgets, place
 from ..probe.config import PAPER_PR_SEQUENCES
 from ..probe.monitor import Monitor
 from ..probes import ProbeSet
@@ -33,7 +34,7 @@ from .ablation import ablation_key, read_ablation, run_ablation
 from .devices import empty_device_cache, oom_retry, peaks, release_memory, reset_peaks, worker_device
 from .fetch import FetchConfig, Fetcher
 from .manifest import Task
-from .plan import ModelShape, Placement, device_budgets, place, revision_config
+from .plan import revision_config
 from .prepare import ReplaySetup
 from .progress import _counter, _status
 from .provenance import could_be_a_copy, provenance, weights_of

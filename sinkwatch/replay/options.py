@@ -25,7 +25,7 @@ from ..probe.config import PROTOCOLS, MonitorConfig
 from .fetch import FetchConfig
 from .plan import DEFAULT_BANDWIDTH_MB_S
 from .revisions import Revision
-from .store import parse_shard
+from .workers import parse_shard
 
 REPLAY, PLAN, UNIT = "replay", "plan", "unit"  # who reads an option (``only``), and who is given keywords
 WANDB_MODES = ("offline", "online", "disabled")

@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.hub import check_hub
 from ..probe.config import MonitorConfig
 from .local import is_local
 from .manifest import MANIFEST_FILE, Manifest, Task, local_source
@@ -17,7 +18,7 @@ from .options import ReplayOptions
 from .protocol import ProtocolLabel, resolve_protocol
 from .provenance import DuplicateGroup, warn_duplicates
 from .recipes import Recipe
-from .revisions import Revision, check_hub
+from .revisions import Revision
 from .source import RevisionSource
 from .store import check_records, replay_key, stored_records
 

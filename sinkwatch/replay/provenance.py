@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models.hub import RetryPolicy, cache_repo_dir, call_with_retries, is_weight_file, remote_files
 from ..records import versions
-from .hub import is_weight_file, remote_files
 from .revisions import Revision, order_key
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -127,8 +127,6 @@ def weights_of_files(root: str | os.PathLike, paths: Iterable[str | os.PathLike]
 
 def weights_from_hub(model: str, commit: str, policy=None) -> Weights:
     """From the hub's file metadata at ``commit``: nothing is downloaded (``policy``: its retries, a ``RetryPolicy``)."""
-    from .retries import RetryPolicy, call_with_retries
-
     listed = call_with_retries(lambda: remote_files(model, commit), policy or RetryPolicy(), f"file metadata of {model}@{commit[:12]}")
     files = {f.path: (f.sha256 or f"git:{f.blob_id}") for f in listed if f.is_weights}
     if not files:
@@ -138,9 +136,7 @@ def weights_from_hub(model: str, commit: str, policy=None) -> Weights:
 
 def weights_from_cache(model: str, commit: str, cache_dir: str | None) -> Weights:
     """From a local Hugging Face cache's snapshot of ``commit``."""
-    from .revisions import _cache_repo_dir
-
-    snapshot = _cache_repo_dir(model, cache_dir) / "snapshots" / commit
+    snapshot = cache_repo_dir(model, cache_dir) / "snapshots" / commit
     if not snapshot.is_dir():
         raise FileNotFoundError(f"{model}@{commit} is not in the local cache")
     return weights_of_files(snapshot)

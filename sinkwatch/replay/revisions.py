@@ -20,16 +20,14 @@ before it among the names listed together; without that stage they are None, nev
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from ..models.loading import HubUnreachableError, _is_network_error, hub_offline
+from ..models.hub import is_commit_id, list_refs
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 _NUM = r"\d+(?:\.\d+)?"
@@ -225,40 +223,7 @@ def select_log_spaced(items: Sequence[R], count: int, pattern: str | re.Pattern 
     return training_order(picked, pattern)
 
 
-# ---- commit ids ---------------------------------------------------------------------------------------
-# A commit id is 40 lowercase hex digits: what the hub reports (list_repo_refs' target_commit, model_info's sha)
-# and what keys the store and the metadata cache. Uppercase is not read as one: the same commit spelled twice
-# would be two done keys. A ref of that spelling (a branch named with 40 hex letters) is the ref it is.
-_COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-def is_commit_id(name: str) -> bool:
-    """Whether ``name`` is a full commit id (40 lowercase hex digits), not a branch or tag name."""
-    return _COMMIT.fullmatch(name) is not None
-
-
 # ---- listing ------------------------------------------------------------------------------------------
-def list_refs(model: str, *, cache_dir: str | None = None) -> dict[str, str]:
-    """Every branch and tag of a hub model -> its commit (``list_repo_refs``' ``target_commit``); offline
-    (``HF_HUB_OFFLINE=1``), the local cache's ``refs/<name>`` files."""
-    import huggingface_hub
-
-    if not hub_offline():
-        from .retries import RetryPolicy, call_with_retries
-
-        try:  # a 5xx / dropped connection is retried; a hub that stays unreachable gets the advice
-            refs = call_with_retries(lambda: huggingface_hub.list_repo_refs(model), RetryPolicy(), f"list the refs of {model}")
-        except Exception as exc:  # noqa: BLE001 - classified: network problems get advice
-            if _is_network_error(exc):
-                raise HubUnreachableError(_offline_advice(model)) from exc
-            raise
-        return {ref.name: ref.target_commit for ref in [*refs.branches, *(refs.tags or [])]}
-    refs_dir = _cache_repo_dir(model, cache_dir) / "refs"
-    if not refs_dir.is_dir():
-        raise HubUnreachableError(_offline_advice(model))
-    return {str(p.relative_to(refs_dir)): p.read_text().strip() for p in sorted(refs_dir.rglob("*")) if p.is_file()}
-
-
 def list_revisions(model: str, *, cache_dir: str | None = None, pattern: str | re.Pattern | None = None,
                    tokens_per_step: int | None = None, stepless: bool = False) -> list[Revision]:  # fmt: skip
     """The revisions of a hub model (its listed refs; names are never computed), each with its commit, in training
@@ -300,30 +265,3 @@ def select_revisions(listing: Mapping[str, str | None] | Sequence[Revision], nam
     if log_spaced:
         chosen = select_log_spaced(chosen, log_spaced)
     return RevisionSelection(chosen=chosen, listed=listed, aliases=aliases)
-
-
-def _cache_repo_dir(model: str, cache_dir: str | None) -> Path:
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    return Path(cache_dir or HF_HUB_CACHE) / ("models--" + model.replace("/", "--"))
-
-
-def _offline_advice(model: str) -> str:
-    return (
-        f"cannot reach the Hugging Face hub to list or download {model}'s revisions. Replay from a local cache "
-        "instead: on a machine with network run `hf download MODEL --revision REV` for each revision "
-        "(or copy an existing HF cache), then set HF_HUB_OFFLINE=1 and HF_HOME (or pass --cache-dir) to point at it"
-    )
-
-
-def check_hub(model: str) -> None:
-    """Fail fast with advice when the hub cannot be reached and replay is not explicitly offline."""
-    if hub_offline() or os.path.isdir(model):
-        return
-    import huggingface_hub
-
-    try:
-        huggingface_hub.model_info(model, timeout=10)
-    except Exception as exc:  # noqa: BLE001
-        if _is_network_error(exc):
-            raise HubUnreachableError(_offline_advice(model)) from exc

@@ -26,13 +26,14 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from ..models.placement import device_budgets
 from . import attempts
 from .ablation import ablation_key, check_ablation
 from .devices import worker_device
 from .manifest import Task
 from .measure import Job, Measurer
 from .options import PLAN, REPLAY, ReplayOptions
-from .plan import Plan, device_budgets, make_plan
+from .plan import Plan, make_plan
 from .prepare import ablation_at, prepare_replay
 from .progress import _status
 from .recipes import Recipe

@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import time
 import uuid
 import warnings
@@ -17,20 +16,6 @@ from pathlib import Path
 from ..probes import ProbeSet
 from ..stages import StageConfig
 from .workers import Worker, detect_worker
-
-
-# ---- the store -------------------------------------------------------------------------------------------
-def shard_from_env() -> tuple[int, int]:
-    """(index, count) of this worker from its launcher (count 1 when unknown): its stride of the manifest's tasks (``run``)."""
-    w = detect_worker()
-    return w.index, w.count or 1
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise ValueError(f"--shard must be K/N with 0 <= K < N, got {text!r}")
-    return int(m.group(1)), int(m.group(2))
 
 
 def replay_key(model: str, dtype: str, protocol: str, probes: Sequence) -> dict:

@@ -84,3 +84,11 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard K/N``: this worker's stride of the tasks given by hand, where no launcher says it."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise ValueError(f"--shard must be K/N with 0 <= K < N, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
