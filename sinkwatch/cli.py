@@ -96,7 +96,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser, groups: dict[str, Any]
     """``sinkwatch replay``'s option flags, one per CLI field of ``ReplayOptions`` (and ``FETCH_FLAGS``).
     ``groups``: argparse groups by ``group`` name (``GROUPS``, and ``selection``)."""
     from .replay.fetch import FetchConfig
-    from .replay.options import _SAME, PLAN, ReplayOptions
+    from .replay.options import PLAN, SAME_AS_FIELD, ReplayOptions
 
     defaults = ReplayOptions()
     for f in dataclasses.fields(ReplayOptions):
@@ -104,7 +104,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser, groups: dict[str, Any]
         if meta["flag"] is None:
             continue
         cli = dict(meta["cli"])
-        cli["default"] = getattr(defaults, f.name) if meta["cli_default"] is _SAME else meta["cli_default"]
+        cli["default"] = getattr(defaults, f.name) if meta["cli_default"] is SAME_AS_FIELD else meta["cli_default"]
         help_ = ("with --plan: " if meta["only"] == PLAN else "") + meta["help"]
         groups.get(meta["group"], parser).add_argument(meta["flag"], dest=f.name, help=help_, **_metavar(meta["flag"], cli))
     fetch = FetchConfig()

@@ -29,11 +29,11 @@ from .workers import parse_shard
 
 REPLAY, PLAN, UNIT = "replay", "plan", "unit"  # who reads an option (``only``), and who is given keywords
 WANDB_MODES = ("offline", "online", "disabled")
-_SAME = object()  # the CLI's default is the field's
+SAME_AS_FIELD = object()  # the CLI's default is the field's
 
 
 def _option(default: Any = None, help: str = "", *, only: str | None = None, flag: str | None = None, group: str | None = None,
-            factory=None, cli_default: Any = _SAME, **cli: Any):  # fmt: skip
+            factory=None, cli_default: Any = SAME_AS_FIELD, **cli: Any):  # fmt: skip
     """A field of ``ReplayOptions``: its help, who reads it, its CLI flag (None: Python only), argparse group (``sinkwatch.cli.GROUPS``;
     "selection": mutually exclusive) and extras; ``cli_default``: the CLI's own default where it differs (the CLI derives the value)."""
     meta = {"help": help, "only": only, "flag": flag, "group": group, "cli": cli, "cli_default": cli_default}
